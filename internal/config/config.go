@@ -1,0 +1,171 @@
+// Package config holds compactproxy's typed, validated configuration. Only
+// cmd/compactproxy reads viper; everything else receives a Config.
+package config
+
+import (
+	"time"
+)
+
+// Secret is a string that never prints: String and MarshalText give
+// "[redacted]" when it is set, so a Secret cannot leak through logs or the
+// `compactproxy config` output by accident.
+type Secret string
+
+// String implements fmt.Stringer.
+func (s Secret) String() string {
+	if s == "" {
+		return ""
+	}
+	return "[redacted]"
+}
+
+// MarshalText implements encoding.TextMarshaler (used by yaml/json output).
+func (s Secret) MarshalText() ([]byte, error) { return []byte(s.String()), nil }
+
+// Reveal returns the secret value; call it only where the value is sent.
+func (s Secret) Reveal() string { return string(s) }
+
+// Config is the whole configuration. Keys and defaults are the contract of
+// DESIGN.md's table; the mapstructure tags are the config key names.
+type Config struct {
+	Listen          string        `mapstructure:"listen" yaml:"listen"`                     // default ":8081"
+	ShutdownTimeout time.Duration `mapstructure:"shutdown_timeout" yaml:"shutdown_timeout"` // default 30s
+	Upstream        Upstream      `mapstructure:"upstream" yaml:"upstream"`
+	Models          []Model       `mapstructure:"models" yaml:"models"` // per-model overrides, win over upstream.context_window
+	Auth            Auth          `mapstructure:"auth" yaml:"auth"`
+	Compaction      Compaction    `mapstructure:"compaction" yaml:"compaction"`
+	Pairing         Pairing       `mapstructure:"pairing" yaml:"pairing"`
+	Retry           Retry         `mapstructure:"retry" yaml:"retry"`
+	Store           Store         `mapstructure:"store" yaml:"store"`
+	Limits          Limits        `mapstructure:"limits" yaml:"limits"`
+	Log             Log           `mapstructure:"log" yaml:"log"`
+}
+
+// Upstream describes the one upstream every request goes to.
+type Upstream struct {
+	URL               string        `mapstructure:"url" yaml:"url"`                               // required; base URL incl. version path
+	Name              string        `mapstructure:"name" yaml:"name"`                             // default: host of URL
+	APIKey            Secret        `mapstructure:"api_key" yaml:"api_key"`                       // "" = pass the client's credentials
+	Dialect           string        `mapstructure:"dialect" yaml:"dialect"`                       // auto|openai|llamacpp|vllm|deepseek|anthropic
+	ContextWindow     int           `mapstructure:"context_window" yaml:"context_window"`         // 0 = discover
+	StreamUsage       string        `mapstructure:"stream_usage" yaml:"stream_usage"`             // auto|always|never
+	DiscoveryInterval time.Duration `mapstructure:"discovery_interval" yaml:"discovery_interval"` // default 5m
+}
+
+// Model is a per-model override.
+type Model struct {
+	Name          string `mapstructure:"name" yaml:"name"`
+	ContextWindow int    `mapstructure:"context_window" yaml:"context_window"`
+}
+
+// Auth controls who may use the proxy when it holds the upstream key.
+type Auth struct {
+	ClientKeys     []Secret `mapstructure:"client_keys" yaml:"client_keys"`
+	AllowAnonymous bool     `mapstructure:"allow_anonymous" yaml:"allow_anonymous"`
+}
+
+// Compaction configures the compaction engine.
+type Compaction struct {
+	Enabled       bool          `mapstructure:"enabled" yaml:"enabled"`               // default true
+	Mode          string        `mapstructure:"mode" yaml:"mode"`                     // enforce|shadow
+	TriggerRatio  float64       `mapstructure:"trigger_ratio" yaml:"trigger_ratio"`   // 0.80
+	TargetRatio   float64       `mapstructure:"target_ratio" yaml:"target_ratio"`     // 0.60
+	ReserveTokens int           `mapstructure:"reserve_tokens" yaml:"reserve_tokens"` // 4096
+	KeepTail      int           `mapstructure:"keep_tail" yaml:"keep_tail"`           // 3
+	MinInterval   time.Duration `mapstructure:"min_interval" yaml:"min_interval"`     // 60s; 0 disables the throttle
+	LatchGrowth   int           `mapstructure:"latch_growth" yaml:"latch_growth"`     // 20
+	Trim          Trim          `mapstructure:"trim" yaml:"trim"`
+	Summarizer    Summarizer    `mapstructure:"summarizer" yaml:"summarizer"`
+}
+
+// Trim configures the no-model-call trim step.
+type Trim struct {
+	ToolResultTokens int `mapstructure:"tool_result_tokens" yaml:"tool_result_tokens"` // 1024
+}
+
+// Summarizer configures the model call that summarizes a conversation head.
+type Summarizer struct {
+	Enabled       bool          `mapstructure:"enabled" yaml:"enabled"`               // true
+	URL           string        `mapstructure:"url" yaml:"url"`                       // "" = upstream.url
+	APIKey        Secret        `mapstructure:"api_key" yaml:"api_key"`               // ""
+	Model         string        `mapstructure:"model" yaml:"model"`                   // "" = the request's model
+	MaxTokens     int           `mapstructure:"max_tokens" yaml:"max_tokens"`         // 1024
+	Timeout       time.Duration `mapstructure:"timeout" yaml:"timeout"`               // 60s
+	MaxConcurrent int           `mapstructure:"max_concurrent" yaml:"max_concurrent"` // 4
+}
+
+// Pairing configures tool-call pairing validation.
+type Pairing struct {
+	Mode string `mapstructure:"mode" yaml:"mode"` // strict|repair|off
+}
+
+// Retry configures upstream retries. Attempts counts total tries.
+type Retry struct {
+	Attempts   int           `mapstructure:"attempts" yaml:"attempts"`       // 3 (1 = no retry)
+	Backoff    time.Duration `mapstructure:"backoff" yaml:"backoff"`         // 200ms
+	MaxBackoff time.Duration `mapstructure:"max_backoff" yaml:"max_backoff"` // 5s
+	MaxElapsed time.Duration `mapstructure:"max_elapsed" yaml:"max_elapsed"` // 30s
+}
+
+// Store configures conversation state storage.
+type Store struct {
+	Backend      string        `mapstructure:"backend" yaml:"backend"`             // memory
+	MaxEntries   int           `mapstructure:"max_entries" yaml:"max_entries"`     // 100000
+	TTL          time.Duration `mapstructure:"ttl" yaml:"ttl"`                     // 24h
+	TenantSecret Secret        `mapstructure:"tenant_secret" yaml:"tenant_secret"` // "" = random per process
+}
+
+// Limits bounds what a client may send.
+type Limits struct {
+	MaxBodyBytes int64 `mapstructure:"max_body_bytes" yaml:"max_body_bytes"` // 33554432
+}
+
+// Log configures logging.
+type Log struct {
+	Level  string `mapstructure:"level" yaml:"level"`   // info
+	Format string `mapstructure:"format" yaml:"format"` // json|console
+}
+
+// Default returns the configuration with every default of DESIGN.md's table.
+func Default() Config {
+	return Config{
+		Listen:          ":8081",
+		ShutdownTimeout: 30 * time.Second,
+		Upstream: Upstream{
+			Dialect:           "auto",
+			StreamUsage:       "auto",
+			DiscoveryInterval: 5 * time.Minute,
+		},
+		Compaction: Compaction{
+			Enabled:       true,
+			Mode:          "enforce",
+			TriggerRatio:  0.80,
+			TargetRatio:   0.60,
+			ReserveTokens: 4096,
+			KeepTail:      3,
+			MinInterval:   60 * time.Second,
+			LatchGrowth:   20,
+			Trim:          Trim{ToolResultTokens: 1024},
+			Summarizer: Summarizer{
+				Enabled:       true,
+				MaxTokens:     1024,
+				Timeout:       60 * time.Second,
+				MaxConcurrent: 4,
+			},
+		},
+		Pairing: Pairing{Mode: "strict"},
+		Retry: Retry{
+			Attempts:   3,
+			Backoff:    200 * time.Millisecond,
+			MaxBackoff: 5 * time.Second,
+			MaxElapsed: 30 * time.Second,
+		},
+		Store: Store{
+			Backend:    "memory",
+			MaxEntries: 100000,
+			TTL:        24 * time.Hour,
+		},
+		Limits: Limits{MaxBodyBytes: 33554432},
+		Log:    Log{Level: "info", Format: "json"},
+	}
+}
