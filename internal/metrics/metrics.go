@@ -1,0 +1,97 @@
+// Package metrics defines compactproxy's Prometheus metrics. Everything is
+// registered on a registry passed in (never the global default), with the
+// compactproxy_ prefix and labels from small fixed sets: never a conversation,
+// a key or a free-form model name.
+package metrics
+
+import (
+	"strconv"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promauto"
+)
+
+// Metrics holds every metric of DESIGN.md's list.
+type Metrics struct {
+	HTTPRequests        *prometheus.CounterVec // route, code
+	UpstreamRetries     *prometheus.CounterVec // op, reason
+	Compactions         *prometheus.CounterVec // action
+	Summarize           *prometheus.CounterVec // result
+	SummarizeSuppressed *prometheus.CounterVec // reason
+	LatchEngaged        prometheus.Counter
+	PairingViolations   *prometheus.CounterVec // kind
+	UIOnlyRemoved       prometheus.Counter
+	AnchorLookups       *prometheus.CounterVec // result
+	ContextTokens       prometheus.Histogram
+	UsageInputTokens    *prometheus.CounterVec // kind
+	Overhead            prometheus.Histogram
+	UpstreamDuration    prometheus.Histogram
+	InvariantFailures   prometheus.Counter
+	UnknownWindow       prometheus.Counter
+	CompactionErrors    prometheus.Counter
+}
+
+// New registers the metrics on reg, plus the Go and process collectors.
+func New(reg prometheus.Registerer) *Metrics {
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	f := promauto.With(reg)
+	const ns = "compactproxy"
+	m := &Metrics{
+		HTTPRequests: f.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "http_requests_total",
+			Help: "HTTP requests served, by route and status code."}, []string{"route", "code"}),
+		UpstreamRetries: f.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "upstream_retries_total",
+			Help: "Upstream retries, by operation (chat|summarize) and reason."}, []string{"op", "reason"}),
+		Compactions: f.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "compactions_total",
+			Help: "Compactions applied to forwarded requests, by action."}, []string{"action"}),
+		Summarize: f.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "summarize_total",
+			Help: "Summarize calls, by result."}, []string{"result"}),
+		SummarizeSuppressed: f.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "summarize_suppressed_total",
+			Help: "Summarize attempts skipped, by reason (latch|throttle)."}, []string{"reason"}),
+		LatchEngaged: f.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "latch_engaged_total",
+			Help: "Times the summarize failure latch engaged."}),
+		PairingViolations: f.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "pairing_violations_total",
+			Help: "Tool-call pairing violations seen in requests, by kind, in every pairing mode."}, []string{"kind"}),
+		UIOnlyRemoved: f.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "ui_only_removed_total",
+			Help: "UI-only messages removed before forwarding."}),
+		AnchorLookups: f.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "anchor_lookups_total",
+			Help: "Context estimates, by whether an anchored prefix was found."}, []string{"result"}),
+		ContextTokens: f.NewHistogram(prometheus.HistogramOpts{Namespace: ns, Name: "context_tokens",
+			Help:    "Estimated context tokens of chat requests (the estimate that decided the action).",
+			Buckets: prometheus.ExponentialBuckets(256, 2, 12)}),
+		UsageInputTokens: f.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "usage_input_tokens_total",
+			Help: "Provider-reported input tokens, by kind (uncached|cache_read|cache_write)."}, []string{"kind"}),
+		Overhead: f.NewHistogram(prometheus.HistogramOpts{Namespace: ns, Name: "overhead_seconds",
+			Help:    "Time spent inside the proxy before the upstream call (summarize excluded).",
+			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 14)}),
+		UpstreamDuration: f.NewHistogram(prometheus.HistogramOpts{Namespace: ns, Name: "upstream_duration_seconds",
+			Help:    "Upstream chat-completions duration, from sending the request to the end of the response.",
+			Buckets: prometheus.ExponentialBuckets(0.01, 2, 14)}),
+		InvariantFailures: f.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "compaction_invariant_failures_total",
+			Help: "Compaction views discarded because they failed the strict pairing check."}),
+		UnknownWindow: f.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "unknown_window_total",
+			Help: "Chat requests for a model whose context window is unknown (not compacted)."}),
+		CompactionErrors: f.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "compaction_errors_total",
+			Help: "Requests forwarded without compaction because compaction failed (fail open)."}),
+	}
+	// Pre-create the fixed label values so dashboards see zeros.
+	for _, r := range []string{"hit", "miss"} {
+		m.AnchorLookups.WithLabelValues(r)
+	}
+	for _, k := range []string{"uncached", "cache_read", "cache_write"} {
+		m.UsageInputTokens.WithLabelValues(k)
+	}
+	for _, r := range []string{"success", "failure"} {
+		m.Summarize.WithLabelValues(r)
+	}
+	for _, r := range []string{"latch", "throttle"} {
+		m.SummarizeSuppressed.WithLabelValues(r)
+	}
+	for _, a := range []string{"trimmed", "summarized", "reused", "dropped"} {
+		m.Compactions.WithLabelValues(a)
+	}
+	return m
+}
+
+// Code formats an HTTP status for the code label.
+func Code(status int) string { return strconv.Itoa(status) }
