@@ -78,6 +78,11 @@ type Request struct {
 	MaxTokens int    // max_completion_tokens, else max_tokens; 0 if absent
 	// IncludeUsage is true when stream_options.include_usage is true.
 	IncludeUsage bool
+
+	// Set by Parse for Unchanged: the span of the (last) "messages" array
+	// in Body, and whether any message lost a "ui_only" key.
+	msgStart, msgEnd int
+	stripped         bool
 }
 
 // ParseError is a client error in the body: the proxy answers 400 with

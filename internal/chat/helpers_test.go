@@ -1,7 +1,9 @@
 package chat
 
 import (
+	"bytes"
 	"encoding/json"
+	"errors"
 	"reflect"
 	"testing"
 )
@@ -9,14 +11,30 @@ import (
 // jsonEqual reports whether a and b decode to the same value.
 func jsonEqual(t *testing.T, a, b []byte) bool {
 	t.Helper()
-	var va, vb any
-	if err := json.Unmarshal(a, &va); err != nil {
+	va, err := decodeJSON(a)
+	if err != nil {
 		t.Fatalf("not JSON: %v: %q", err, a)
 	}
-	if err := json.Unmarshal(b, &vb); err != nil {
+	vb, err := decodeJSON(b)
+	if err != nil {
 		t.Fatalf("not JSON: %v: %q", err, b)
 	}
 	return reflect.DeepEqual(va, vb)
+}
+
+// decodeJSON decodes b keeping numbers as written (json.Number), so that
+// equality also checks that number literals were kept byte for byte.
+func decodeJSON(b []byte) (any, error) {
+	d := json.NewDecoder(bytes.NewReader(b))
+	d.UseNumber()
+	var v any
+	if err := d.Decode(&v); err != nil {
+		return nil, err
+	}
+	if d.More() {
+		return nil, errors.New("trailing data")
+	}
+	return v, nil
 }
 
 func TestNewTextMessage(t *testing.T) {

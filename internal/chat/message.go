@@ -2,9 +2,10 @@ package chat
 
 // messageInfo is what decoding a message learns besides the Message view.
 type messageInfo struct {
-	roleOK bool // "role" (last occurrence) is a string
-	uiOnly bool // "ui_only" (last occurrence) is the literal true
-	uiKeys int  // number of "ui_only" members
+	roleSeen bool // a "role" key is present
+	roleOK   bool // "role" (last occurrence) is a string
+	uiOnly   bool // "ui_only" (last occurrence) is the literal true
+	uiKeys   int  // number of "ui_only" members
 }
 
 // message decodes the object whose '{' is at i, nested inside depth
@@ -42,6 +43,7 @@ func (s *scanner) message(i, depth int, m *Message, info *messageInfo) int {
 		ui := false
 		switch string(key) { // no allocation: the compiler compares in place
 		case "role":
+			info.roleSeen = true
 			if data[v] == '"' {
 				i = s.str(v)
 				if i < 0 {

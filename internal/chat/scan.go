@@ -31,7 +31,7 @@ type scanner struct {
 
 	// Per-parse scratch, reused between messages.
 	calls   []ToolCall // backing array shared by all messages' ToolCalls
-	members []span    // member spans of the message being decoded
+	members []span     // member spans of the message being decoded
 }
 
 // span is a half-open byte range [from, to).
