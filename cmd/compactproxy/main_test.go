@@ -1,0 +1,317 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"runtime"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/compactproxy/compactproxy/internal/config"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
+)
+
+func runCmd(t *testing.T, args ...string) (int, string, string) {
+	t.Helper()
+	var stdout, stderr bytes.Buffer
+	code := run(t.Context(), args, &stdout, &stderr)
+	return code, stdout.String(), stderr.String()
+}
+
+func TestVersion(t *testing.T) {
+	code, out, _ := runCmd(t, "version")
+	if code != exitOK {
+		t.Fatalf("exit %d", code)
+	}
+	for _, want := range []string{"compactproxy", version, runtime.Version()} {
+		if !strings.Contains(out, want) {
+			t.Errorf("version output %q lacks %q", out, want)
+		}
+	}
+}
+
+// Raw secret values used by the redaction tests; none may appear in output.
+var secrets = map[string]string{
+	"COMPACTPROXY_UPSTREAM_API_KEY":              "sk-upstream-RAW-1",
+	"COMPACTPROXY_STORE_TENANT_SECRET":           "tenant-RAW-2",
+	"COMPACTPROXY_AUTH_CLIENT_KEYS":              "client-RAW-3,client-RAW-4",
+	"COMPACTPROXY_COMPACTION_SUMMARIZER_API_KEY": "sum-RAW-5",
+}
+
+func TestConfigCommandRedactsSecrets(t *testing.T) {
+	clearEnv(t)
+	t.Setenv("COMPACTPROXY_UPSTREAM_URL", "http://127.0.0.1:8080/v1")
+	for k, v := range secrets {
+		t.Setenv(k, v)
+	}
+	code, out, errOut := runCmd(t, "config")
+	if code != exitOK {
+		t.Fatalf("exit %d: %s", code, errOut)
+	}
+	for _, raw := range []string{"sk-upstream-RAW-1", "tenant-RAW-2", "client-RAW-3", "client-RAW-4", "sum-RAW-5", "RAW"} {
+		if strings.Contains(out+errOut, raw) {
+			t.Errorf("config output contains secret %q:\n%s", raw, out)
+		}
+	}
+	if n := strings.Count(out, "[redacted]"); n != 5 {
+		t.Errorf("want 5 [redacted] values (api_key, 2 client keys, summarizer key, tenant_secret), got %d:\n%s", n, out)
+	}
+	for _, want := range []string{"url: http://127.0.0.1:8080/v1", "min_interval: 1m0s", "trigger_ratio: 0.8"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("config output lacks %q:\n%s", want, out)
+		}
+	}
+}
+
+func TestConfigCommandReportsProblems(t *testing.T) {
+	clearEnv(t)
+	t.Setenv("COMPACTPROXY_PAIRING_MODE", "lenient")
+	code, out, errOut := runCmd(t, "config")
+	if code != exitUsage {
+		t.Errorf("exit %d, want %d", code, exitUsage)
+	}
+	if !strings.Contains(out, "listen:") {
+		t.Errorf("effective config not printed: %q", out)
+	}
+	for _, want := range []string{"upstream.url: required", "pairing.mode: must be one of"} {
+		if !strings.Contains(errOut, want) {
+			t.Errorf("stderr lacks %q:\n%s", want, errOut)
+		}
+	}
+}
+
+func TestRunUsageErrors(t *testing.T) {
+	clearEnv(t)
+	tests := []struct {
+		name string
+		args []string
+		want string
+	}{
+		{"unknown flag", []string{"--nope"}, "unknown flag"},
+		{"unknown command", []string{"frobnicate"}, "unknown command"},
+		{"extra arguments", []string{"version", "extra"}, "unexpected arguments"},
+		{"healthcheck flag on serve", []string{"--url", "http://x/healthz"}, "healthcheck only"},
+		{"serve without upstream", nil, "upstream.url: required"},
+		{"serve with bad url flag", []string{"--upstream-url", "localhost:8080"}, "upstream.url: must be an absolute"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			code, _, errOut := runCmd(t, tc.args...)
+			if code != exitUsage {
+				t.Errorf("exit %d, want %d", code, exitUsage)
+			}
+			if !strings.Contains(errOut, tc.want) {
+				t.Errorf("stderr %q lacks %q", errOut, tc.want)
+			}
+		})
+	}
+	if code, _, _ := runCmd(t, "--help"); code != exitOK {
+		t.Errorf("--help: exit %d", code)
+	}
+}
+
+func TestHealthURL(t *testing.T) {
+	tests := []struct{ listen, want string }{
+		{":8081", "http://127.0.0.1:8081/healthz"},
+		{"0.0.0.0:9000", "http://127.0.0.1:9000/healthz"},
+		{"[::]:9000", "http://127.0.0.1:9000/healthz"},
+		{"127.0.0.2:9000", "http://127.0.0.2:9000/healthz"},
+		{"[::1]:9000", "http://[::1]:9000/healthz"},
+		{"localhost:9000", "http://localhost:9000/healthz"},
+	}
+	for _, tc := range tests {
+		got, err := healthURL(tc.listen)
+		if err != nil || got != tc.want {
+			t.Errorf("healthURL(%q) = %q, %v; want %q", tc.listen, got, err, tc.want)
+		}
+	}
+	if _, err := healthURL("8081"); err == nil {
+		t.Error("healthURL(8081): want error")
+	}
+}
+
+func TestHealthcheck(t *testing.T) {
+	clearEnv(t)
+	var status atomic.Int32
+	ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/healthz" {
+			http.NotFound(w, r)
+			return
+		}
+		w.WriteHeader(int(status.Load()))
+	}))
+	defer ts.Close()
+
+	status.Store(http.StatusOK)
+	if code, _, errOut := runCmd(t, "healthcheck", "--url", ts.URL+"/healthz"); code != exitOK {
+		t.Errorf("healthy: exit %d: %s", code, errOut)
+	}
+	// Without --url the address comes from listen (here via env).
+	t.Setenv("COMPACTPROXY_LISTEN", strings.TrimPrefix(ts.URL, "http://"))
+	if code, _, errOut := runCmd(t, "healthcheck"); code != exitOK {
+		t.Errorf("healthy via listen: exit %d: %s", code, errOut)
+	}
+	status.Store(http.StatusServiceUnavailable)
+	if code, _, _ := runCmd(t, "healthcheck"); code != exitFail {
+		t.Errorf("503: exit %d, want %d", code, exitFail)
+	}
+	// Nothing listening.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	if code, _, _ := runCmd(t, "healthcheck", "--url", "http://"+addr+"/healthz", "--timeout", "1s"); code != exitFail {
+		t.Errorf("unreachable: exit %d, want %d", code, exitFail)
+	}
+}
+
+// TestServeHTTPDrains: a request in flight when the signal arrives still
+// completes; new connections are refused; serveHTTP returns nil.
+func TestServeHTTPDrains(t *testing.T) {
+	started := make(chan struct{})
+	release := make(chan struct{})
+	hs := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusOK)
+		w.(http.Flusher).Flush()
+		close(started)
+		<-release
+		_, _ = io.WriteString(w, "done")
+	})}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	served := make(chan error, 1)
+	go func() { served <- serveHTTP(ctx, hs, ln, 5*time.Second, zap.NewNop()) }()
+
+	body := make(chan string, 1)
+	go func() {
+		resp, err := http.Get("http://" + ln.Addr().String() + "/")
+		if err != nil {
+			body <- "error: " + err.Error()
+			return
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		body <- string(b)
+	}()
+	<-started
+	cancel()
+	// Wait until the listener is closed, then let the request finish.
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		c, err := net.DialTimeout("tcp", ln.Addr().String(), 100*time.Millisecond)
+		if err != nil {
+			break
+		}
+		c.Close()
+		if time.Now().After(deadline) {
+			t.Fatal("listener still accepting after shutdown began")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	close(release)
+	if got := <-body; got != "done" {
+		t.Errorf("in-flight request: got %q, want done", got)
+	}
+	if err := <-served; err != nil {
+		t.Errorf("serveHTTP: %v", err)
+	}
+}
+
+// TestServeHTTPShutdownTimeout: a request that outlives shutdown_timeout is
+// cut and serveHTTP still returns nil (the process exits 0).
+func TestServeHTTPShutdownTimeout(t *testing.T) {
+	started := make(chan struct{})
+	hs := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusOK)
+		w.(http.Flusher).Flush()
+		close(started)
+		<-r.Context().Done()
+	})}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	served := make(chan error, 1)
+	go func() { served <- serveHTTP(ctx, hs, ln, 100*time.Millisecond, zap.NewNop()) }()
+	go func() {
+		resp, err := http.Get("http://" + ln.Addr().String() + "/")
+		if err == nil {
+			_, _ = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+		}
+	}()
+	<-started
+	cancel()
+	select {
+	case err := <-served:
+		if err != nil {
+			t.Errorf("serveHTTP: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("serveHTTP did not return after the shutdown timeout")
+	}
+}
+
+// TestServeLogsNoSecrets runs the real serve path (proxy included) with
+// secrets everywhere and checks no log field carries them.
+func TestServeLogsNoSecrets(t *testing.T) {
+	cfg := config.Default()
+	cfg.Listen = "127.0.0.1:0"
+	cfg.Upstream.URL = "http://user:url-PASSWORD@127.0.0.1:9/v1?key=query-KEY"
+	cfg.Upstream.APIKey = "sk-upstream-RAW-1"
+	cfg.Auth.ClientKeys = []config.Secret{"client-RAW-3"}
+	cfg.Store.TenantSecret = "tenant-RAW-2"
+	cfg.Compaction.Summarizer.APIKey = "sum-RAW-5"
+
+	core, logs := observer.New(zapcore.DebugLevel)
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel() // start, log, shut down at once
+	if err := serve(ctx, cfg, "", zap.New(core)); err != nil {
+		t.Fatal(err)
+	}
+	if logs.FilterMessage("starting").Len() != 1 {
+		t.Fatalf("no starting log: %v", logs.All())
+	}
+	for _, e := range logs.All() {
+		line := e.Message + fmt.Sprint(e.ContextMap())
+		for _, raw := range []string{"RAW", "url-PASSWORD", "query-KEY", "user"} {
+			if strings.Contains(line, raw) {
+				t.Errorf("log %q contains %q: %s", e.Message, raw, line)
+			}
+		}
+	}
+}
+
+func TestNewLogger(t *testing.T) {
+	for _, format := range config.LogFormats {
+		var buf bytes.Buffer
+		log, err := newLogger(config.Log{Level: "info", Format: format}, zapcore.AddSync(&buf))
+		if err != nil {
+			t.Fatal(err)
+		}
+		log.Debug("hidden")
+		log.Info("shown", zap.String("k", "v"))
+		out := buf.String()
+		if strings.Contains(out, "hidden") || !strings.Contains(out, "shown") || !strings.Contains(out, "compactproxy") {
+			t.Errorf("%s: %q", format, out)
+		}
+	}
+	if _, err := newLogger(config.Log{Level: "loud", Format: "json"}, zapcore.AddSync(io.Discard)); err == nil {
+		t.Error("bad level: want error")
+	}
+}

@@ -1,0 +1,164 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"time"
+
+	"github.com/compactproxy/compactproxy/internal/config"
+	"github.com/compactproxy/compactproxy/internal/proxy"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/spf13/pflag"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+)
+
+// readHeaderTimeout bounds how long a client may take to send its request
+// headers (slowloris). There is deliberately no ReadTimeout (agent bodies
+// can be large and slow to upload) and no WriteTimeout: it would cut long
+// generations and streams.
+const readHeaderTimeout = 10 * time.Second
+
+// idleTimeout closes keep-alive connections that sit unused.
+const idleTimeout = 120 * time.Second
+
+func runServe(ctx context.Context, fset *pflag.FlagSet, stderr io.Writer) int {
+	cfg, file, err := loadConfig(fset, defaultConfigFile)
+	if err != nil {
+		fmt.Fprintf(stderr, "compactproxy: %v\n", err)
+		return exitUsage
+	}
+	if err := cfg.Validate(); err != nil {
+		printValidation(stderr, err)
+		return exitUsage
+	}
+	log, err := newLogger(cfg.Log, zapcore.AddSync(stderr))
+	if err != nil {
+		fmt.Fprintf(stderr, "compactproxy: %v\n", err)
+		return exitUsage
+	}
+	defer func() { _ = log.Sync() }()
+
+	if err := serve(ctx, cfg, file, log); err != nil {
+		log.Error("server failed", zap.Error(err))
+		return exitFail
+	}
+	return exitOK
+}
+
+// newLogger builds the root logger, named "compactproxy", writing to w.
+func newLogger(c config.Log, w zapcore.WriteSyncer) (*zap.Logger, error) {
+	level, err := zapcore.ParseLevel(c.Level)
+	if err != nil {
+		return nil, fmt.Errorf("log.level: %w", err)
+	}
+	enc := zap.NewProductionEncoderConfig()
+	enc.TimeKey = "ts"
+	enc.EncodeTime = zapcore.ISO8601TimeEncoder
+	enc.EncodeDuration = zapcore.StringDurationEncoder
+	var encoder zapcore.Encoder
+	switch c.Format {
+	case "json":
+		encoder = zapcore.NewJSONEncoder(enc)
+	case "console":
+		enc.EncodeLevel = zapcore.CapitalLevelEncoder
+		encoder = zapcore.NewConsoleEncoder(enc)
+	default:
+		return nil, fmt.Errorf("log.format: unknown %q", c.Format)
+	}
+	core := zapcore.NewCore(encoder, zapcore.Lock(w), level)
+	return zap.New(core, zap.ErrorOutput(zapcore.Lock(w))).Named("compactproxy"), nil
+}
+
+// serve runs the proxy until ctx ends, then shuts down gracefully.
+func serve(ctx context.Context, cfg config.Config, file string, log *zap.Logger) error {
+	reg := prometheus.NewRegistry()
+	p, err := proxy.New(cfg, log, reg)
+	if err != nil {
+		return fmt.Errorf("proxy: %w", err)
+	}
+	defer func() {
+		if err := p.Close(); err != nil {
+			log.Warn("proxy close failed", zap.Error(err))
+		}
+	}()
+
+	ln, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		return fmt.Errorf("listen: %w", err)
+	}
+	log.Info("starting",
+		zap.String("version", version),
+		zap.String("listen", ln.Addr().String()),
+		zap.String("upstream", redactURL(cfg.Upstream.URL)),
+		zap.String("config_file", file),
+		zap.Bool("upstream_api_key_set", cfg.Upstream.APIKey != ""),
+		zap.Int("client_keys", len(cfg.Auth.ClientKeys)),
+		zap.String("compaction_mode", compactionMode(cfg.Compaction)),
+		zap.String("pairing_mode", cfg.Pairing.Mode),
+		zap.String("store_backend", cfg.Store.Backend),
+	)
+
+	// Background work (context-window discovery) stops with the signal:
+	// draining requests do not need it.
+	p.Start(ctx)
+
+	hs := &http.Server{
+		Handler:           p.Handler(),
+		ReadHeaderTimeout: readHeaderTimeout,
+		IdleTimeout:       idleTimeout,
+		ErrorLog:          zap.NewStdLog(log.Named("http")),
+	}
+	return serveHTTP(ctx, hs, ln, cfg.ShutdownTimeout, log)
+}
+
+// serveHTTP serves on ln until ctx ends, then stops accepting and lets
+// in-flight requests (streams included) finish for up to timeout before
+// closing what is left. Request contexts derive from context.Background,
+// not ctx, so a signal does not cancel in-flight upstream calls.
+func serveHTTP(ctx context.Context, hs *http.Server, ln net.Listener, timeout time.Duration, log *zap.Logger) error {
+	errc := make(chan error, 1)
+	go func() { errc <- hs.Serve(ln) }()
+
+	select {
+	case err := <-errc:
+		return fmt.Errorf("serve: %w", err)
+	case <-ctx.Done():
+	}
+
+	log.Info("shutting down", zap.Duration("timeout", timeout))
+	sctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	if err := hs.Shutdown(sctx); err != nil {
+		log.Warn("shutdown timeout reached, closing remaining connections", zap.Error(err))
+		_ = hs.Close()
+	}
+	if err := <-errc; err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return fmt.Errorf("serve: %w", err)
+	}
+	log.Info("stopped")
+	return nil
+}
+
+// redactURL drops userinfo (it may hold credentials) for logging.
+func redactURL(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "[unparseable]"
+	}
+	u.User = nil
+	u.RawQuery = ""
+	return u.String()
+}
+
+func compactionMode(c config.Compaction) string {
+	if !c.Enabled {
+		return "disabled"
+	}
+	return c.Mode
+}
