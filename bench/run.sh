@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Load harness driver (`make bench`; not part of `make test`).
+#
+# Builds and starts, all on 127.0.0.1 with free ports:
+#   mockupstream  OpenAI-compatible upstream, fixed 20 ms latency
+#   bareproxy     plain httputil.ReverseProxy in front of the mock (the floor)
+#   compactproxy  the real binary from ./cmd/compactproxy in front of the mock,
+#                 configured by env alone, with a context window large enough
+#                 that these requests stay below the compaction trigger
+# then runs loadgen against the three (rounds interleaved) and stops them all.
+# If compactproxy does not build or start, the harness still measures direct
+# and bare and reports compactproxy as failing.
+#
+# Knobs (env): BENCH_ROUNDS (5), BENCH_SCALE (1: multiplies request counts),
+# BENCH_CONCURRENCY (1,32), BENCH_OUT (bench/results), BENCH_LATENCY (20ms).
+# Bounded: every wait has a timeout and loadgen gives up on a stuck target.
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+rounds="${BENCH_ROUNDS:-5}"
+scale="${BENCH_SCALE:-1}"
+conc="${BENCH_CONCURRENCY:-1,32}"
+out="${BENCH_OUT:-$root/bench/results}"
+latency="${BENCH_LATENCY:-20ms}"
+
+work="$(mktemp -d "${TMPDIR:-/tmp}/compactproxy-bench.XXXXXX")"
+pids=()
+cleanup() {
+	local pid
+	for pid in "${pids[@]}"; do
+		kill "$pid" 2>/dev/null || true
+	done
+	for pid in "${pids[@]}"; do
+		wait "$pid" 2>/dev/null || true
+	done
+	rm -rf "$work"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+log() { echo "bench: $*" >&2; }
+
+# wait_file FILE PID: wait up to 10 s for a process to write its address.
+wait_file() {
+	local i
+	for i in $(seq 1 200); do
+		[ -s "$1" ] && return 0
+		kill -0 "$2" 2>/dev/null || return 1
+		sleep 0.05
+	done
+	return 1
+}
+
+log "building harness and compactproxy into $work"
+go build -o "$work/" ./bench/cmd/mockupstream ./bench/cmd/bareproxy ./bench/cmd/loadgen
+note=""
+if ! CGO_ENABLED=0 go build -o "$work/compactproxy" ./cmd/compactproxy >"$work/build.log" 2>&1; then
+	note="compactproxy did not build: $(head -c 300 "$work/build.log" | tr '\n' ' ')"
+	log "$note"
+fi
+
+"$work/mockupstream" -latency "$latency" -addr-file "$work/mock.addr" >"$work/mock.log" 2>&1 &
+pids+=($!)
+wait_file "$work/mock.addr" "${pids[-1]}" || { log "mock upstream did not start:"; cat "$work/mock.log" >&2; exit 1; }
+mock="$(cat "$work/mock.addr")"
+
+"$work/bareproxy" -upstream "http://$mock" -addr-file "$work/bare.addr" >"$work/bare.log" 2>&1 &
+bare_pid=$!
+pids+=("$bare_pid")
+wait_file "$work/bare.addr" "$bare_pid" || { log "bare proxy did not start:"; cat "$work/bare.log" >&2; exit 1; }
+bare="$(cat "$work/bare.addr")"
+
+compact_args=()
+if [ -z "$note" ]; then
+	port="$("$work/loadgen" -freeport)"
+	# Env alone configures it (no config file: run from the work directory,
+	# and drop any COMPACTPROXY_* the caller has set).
+	unset_args=()
+	while IFS= read -r name; do unset_args+=(-u "$name"); done < <(env | sed -n 's/^\(COMPACTPROXY_[A-Za-z0-9_]*\)=.*/\1/p')
+	(
+		cd "$work"
+		exec env "${unset_args[@]}" \
+			COMPACTPROXY_LISTEN="127.0.0.1:$port" \
+			COMPACTPROXY_UPSTREAM_URL="http://$mock/v1" \
+			COMPACTPROXY_UPSTREAM_CONTEXT_WINDOW=1000000 \
+			COMPACTPROXY_LOG_LEVEL=warn \
+			./compactproxy
+	) >"$work/compactproxy.log" 2>&1 &
+	compact_pid=$!
+	pids+=("$compact_pid")
+	healthy=""
+	for _ in $(seq 1 150); do
+		if ! kill -0 "$compact_pid" 2>/dev/null; then break; fi
+		if curl -fsS -o /dev/null --max-time 1 "http://127.0.0.1:$port/healthz" 2>/dev/null; then
+			healthy=1
+			break
+		fi
+		sleep 0.1
+	done
+	if [ -n "$healthy" ]; then
+		compact_args=(-compact "http://127.0.0.1:$port/v1" -compact-pid "$compact_pid")
+	else
+		note="compactproxy did not answer /healthz within 15s: $(tail -c 300 "$work/compactproxy.log" | tr '\n' ' ')"
+		log "$note"
+	fi
+fi
+
+log "mock http://$mock  bare http://$bare (pid $bare_pid)  compactproxy ${compact_args[1]:-(absent)} (pid ${compact_pid:-none})"
+set +e
+timeout --kill-after=10s 600s "$work/loadgen" \
+	-direct "http://$mock/v1" -bare "http://$bare/v1" -bare-pid "$bare_pid" \
+	"${compact_args[@]}" \
+	-clk-tck "$(getconf CLK_TCK)" -rounds "$rounds" -scale "$scale" -concurrency "$conc" \
+	-out "$out" -note "$note"
+rc=$?
+set -e
+if [ -s "$work/compactproxy.log" ]; then
+	log "compactproxy log (tail):"
+	tail -n 20 "$work/compactproxy.log" >&2
+fi
+exit "$rc"
