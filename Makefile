@@ -1,0 +1,58 @@
+# compactproxy: `make test` is the one command CI runs (.ci/run).
+
+GO       ?= go
+BIN      ?= bin/compactproxy
+IMAGE    ?= compactproxy
+VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+LDFLAGS  := -s -w -X main.version=$(VERSION)
+
+.PHONY: all build run test e2e-deps bench bench-go bench-load lint docker clean help
+
+all: lint test build
+
+help:
+	@echo "make build     static binary in $(BIN) (CGO off, -trimpath, version $(VERSION))"
+	@echo "make run       go run ./cmd/compactproxy (set COMPACTPROXY_UPSTREAM_URL)"
+	@echo "make test      e2e dependencies + go test -race -count=1 ./... (what CI runs)"
+	@echo "make bench     go test benchmarks + load harness (not part of make test)"
+	@echo "make lint      gofmt check + go vet"
+	@echo "make docker    docker build -t $(IMAGE):$(VERSION) ."
+
+build:
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) ./cmd/compactproxy
+
+# Needs only COMPACTPROXY_UPSTREAM_URL, e.g.
+#   COMPACTPROXY_UPSTREAM_URL=http://127.0.0.1:8080/v1 make run
+# Reads ./configs/compactproxy.yaml (all defaults) when run from the checkout.
+run:
+	$(GO) run ./cmd/compactproxy $(ARGS)
+
+# Installs what the end-to-end tests need (the official openai npm SDK, from
+# a committed lockfile) before the Go tests run; they drive the real binary.
+e2e-deps:
+	./scripts/e2e-deps.sh
+
+test: e2e-deps
+	$(GO) test -race -count=1 ./...
+
+# Not part of `make test`. bench-go: go test benchmarks (parse and rewrite
+# path); bench-load: the load harness (mock upstream, bare proxy, compactproxy;
+# figures as ratios measured in one run, see bench/run.sh for its knobs).
+bench: bench-go bench-load
+
+bench-go:
+	$(GO) test -run='^$$' -bench=. -benchmem ./internal/...
+
+bench-load:
+	./bench/run.sh
+
+lint:
+	@out="$$(find . -name '*.go' -not -path './.git/*' -not -path '*/node_modules/*' -print0 | xargs -0 gofmt -l)"; \
+	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	$(GO) vet ./...
+
+docker:
+	docker build --build-arg VERSION=$(VERSION) -t $(IMAGE):$(VERSION) -t $(IMAGE):latest .
+
+clean:
+	rm -rf bin
