@@ -1,0 +1,808 @@
+package compaction
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/compactproxy/compactproxy/internal/anchor"
+	"github.com/compactproxy/compactproxy/internal/chat"
+)
+
+// Config configures the engine (DESIGN.md § Compaction; the defaults are
+// the configuration's, applied here too when a field is zero where zero
+// makes no sense).
+type Config struct {
+	// TriggerRatio × budget is the size at which compaction starts
+	// (0 = 0.80); TargetRatio × budget is the size it aims below
+	// (0 = 0.60).
+	TriggerRatio, TargetRatio float64
+	// ReserveTokens is the output headroom subtracted from the window; the
+	// request's max tokens wins when larger. 0 = only the request's.
+	ReserveTokens int
+	// KeepTail is the floor of verbatim tail messages (0 still keeps the
+	// client's final message, and a cut never separates tool results from
+	// their call).
+	KeepTail int
+	// LatchGrowth is how many provider-visible messages a conversation must
+	// grow after a failed summarize before the next attempt. 0 disables the
+	// latch.
+	LatchGrowth int
+	// TrimToolResultTokens: tool results longer than this are excerpted
+	// (0 = 1024). An excerpt keeps about half of it.
+	TrimToolResultTokens int
+	// MinInterval allows one summarize attempt per conversation per
+	// interval unless the provider-visible message count changed. 0
+	// disables the throttle.
+	MinInterval time.Duration
+	// SummarizerEnabled allows the summarize step (else trim and drop only).
+	SummarizerEnabled bool
+	// Shadow decides and reports but forwards the client's view unchanged
+	// and does not advance the state; the summarizer is never called (the
+	// decision is reported as ActionSummarizePending), because a summary
+	// that is not stored would be asked for again at every step.
+	Shadow bool
+	// SummaryTokens is the size a summary is assumed to have when deciding
+	// whether replacing the head can reach the target (0 = 1024, the
+	// summarizer's default max_tokens).
+	SummaryTokens int
+}
+
+// Defaults applied by New to zero fields.
+const (
+	DefaultTriggerRatio         = 0.80
+	DefaultTargetRatio          = 0.60
+	DefaultTrimToolResultTokens = 1024
+	DefaultSummaryTokens        = 1024
+)
+
+// Summarizer summarizes the head of a conversation. previous is the summary
+// the head continues ("" when none): the answer must fold it in.
+type Summarizer interface {
+	Summarize(ctx context.Context, head []chat.Message, previous string) (string, error)
+}
+
+// Clock gives the time (the throttle's only use of it).
+type Clock interface{ Now() time.Time }
+
+// Estimator estimates the provider input of a view. The proxy's closure
+// computes the view's digest chain and uses the conversation's anchors, the
+// local estimator and the calibration ratio (anchor.EstimateView).
+type Estimator func(view []chat.Message) anchor.Estimate
+
+// Input is one request's view and everything the decision needs.
+type Input struct {
+	// Messages is the client's provider-visible view (UI-only removed,
+	// pairing-valid unless pairing is off).
+	Messages []chat.Message
+	// Chain is the digest chain d[0..n] of Messages; stored records match
+	// against it. Without it (wrong length) nothing is re-applied, recorded
+	// or summarized (a summary that cannot be stored would be asked for
+	// again at every step).
+	Chain []anchor.Digest
+	// State is the conversation's stored state.
+	State State
+	// Window is the model's context window in tokens (0 = unknown: stored
+	// compaction is re-applied, nothing new is done); MaxTokens the
+	// request's max_tokens / max_completion_tokens (0 = absent).
+	Window, MaxTokens int
+	// Estimate measures views.
+	Estimate Estimator
+	// Summarize false is a dry run (preview): the summarizer is never
+	// called; ActionSummarizePending reports where a summary would be made.
+	Summarize bool
+	// IgnoreThrottle is set by overflow recovery: the throttle is ignored,
+	// the latch honoured.
+	IgnoreThrottle bool
+	// Measured > 0 is the provider-measured size of this view (from an
+	// overflow error); it overrides the estimate of the client's view, and
+	// every candidate view's estimate is scaled up by the same ratio.
+	Measured int
+}
+
+// Action names what a forwarded view carries.
+type Action string
+
+// The actions. The values are the X-Compactproxy-Compaction header values
+// and the compactions_total label values.
+const (
+	ActionNone             Action = "none"
+	ActionTrimmed          Action = "trimmed"
+	ActionReused           Action = "reused"
+	ActionSummarized       Action = "summarized"
+	ActionDropped          Action = "dropped"
+	ActionSummarizePending Action = "summarize_pending"
+)
+
+// Suppression reasons (Events.Suppressed), the
+// summarize_suppressed_total{reason} label values.
+const (
+	SuppressedLatch    = "latch"
+	SuppressedThrottle = "throttle"
+)
+
+// Errors reported in Events.SummaryError besides the summarizer's own.
+var (
+	// ErrEmptySummary: the summarizer answered no text.
+	ErrEmptySummary = errors.New("compaction: empty summary")
+	// ErrSummaryNotSmaller: the view with the summary was not smaller than
+	// the view without it.
+	ErrSummaryNotSmaller = errors.New("compaction: summary does not shrink the view")
+)
+
+// Events is what happened during one Compact, for metrics and logs.
+type Events struct {
+	// SummarizeCalled: the summarizer was called; SummarizeOK: its summary
+	// is in the forwarded view (summarize_total{result}).
+	SummarizeCalled, SummarizeOK bool
+	// Suppressed is SuppressedLatch or SuppressedThrottle when a summarize
+	// that was needed was skipped, else "".
+	Suppressed string
+	// LatchEngaged: a failed summarize engaged the latch.
+	LatchEngaged bool
+	// InvariantFailure: the produced view failed the pairing check and was
+	// discarded (the client's view was forwarded).
+	InvariantFailure bool
+	// NewActions lists each kind of compaction this request applied
+	// (compactions_total{action}): trimmed or dropped when new records were
+	// made, summarized for a new summary, reused when a stored summary was
+	// re-applied.
+	NewActions []Action
+	// SummaryError is why the summarize failed (nil when it did not).
+	SummaryError error
+}
+
+// Output is the decision.
+type Output struct {
+	// Messages is the view to forward: Input.Messages itself when nothing
+	// applies, in Shadow mode and after an invariant failure.
+	Messages []chat.Message
+	// Action is the strongest thing Messages carries: summarized > reused >
+	// dropped > trimmed > none; summarize_pending in a dry run (or shadow)
+	// that would have summarized.
+	Action Action
+	// Context estimates the client's view after stored compaction was
+	// re-applied, before new compaction (Tokens = Input.Measured when set).
+	Context anchor.Estimate
+	// Forwarded estimates Messages.
+	Forwarded int
+	// Budget, Trigger and Target are the thresholds in tokens (0 when the
+	// window is unknown).
+	Budget, Trigger, Target int
+	// State is the conversation's state to save when StateChanged.
+	State        State
+	StateChanged bool
+	Events       Events
+}
+
+// Engine decides compactions. It keeps no per-conversation memory: all of
+// it is in State. Safe for concurrent use.
+type Engine struct {
+	cfg   Config
+	sum   Summarizer
+	clock Clock
+	// corrupt, when set (tests only), alters every view compaction
+	// produced before the invariant check.
+	corrupt func([]chat.Message) []chat.Message
+}
+
+type systemClock struct{}
+
+func (systemClock) Now() time.Time { return time.Now() }
+
+// New returns an engine. s may be nil (no summarize step); c nil means the
+// system clock.
+func New(cfg Config, s Summarizer, c Clock) *Engine {
+	if cfg.TriggerRatio <= 0 {
+		cfg.TriggerRatio = DefaultTriggerRatio
+	}
+	if cfg.TargetRatio <= 0 {
+		cfg.TargetRatio = DefaultTargetRatio
+	}
+	if cfg.TargetRatio > cfg.TriggerRatio {
+		cfg.TargetRatio = cfg.TriggerRatio
+	}
+	if cfg.TrimToolResultTokens <= 0 {
+		cfg.TrimToolResultTokens = DefaultTrimToolResultTokens
+	}
+	if cfg.SummaryTokens <= 0 {
+		cfg.SummaryTokens = DefaultSummaryTokens
+	}
+	cfg.KeepTail = max(cfg.KeepTail, 0)
+	cfg.LatchGrowth = max(cfg.LatchGrowth, 0)
+	if c == nil {
+		c = systemClock{}
+	}
+	return &Engine{cfg: cfg, sum: s, clock: c}
+}
+
+// plan is a set of compactions applied to the client's messages.
+type plan struct {
+	sum   *Summary
+	trims map[int]int // client position → Trim.Keep
+	drop  *Drop
+}
+
+func (p plan) empty() bool { return p.sum == nil && len(p.trims) == 0 && p.drop == nil }
+
+func (p plan) withTrims(idx []int, keep int) plan {
+	q := p
+	q.trims = make(map[int]int, len(p.trims)+len(idx))
+	for k, v := range p.trims {
+		q.trims[k] = v
+	}
+	for _, i := range idx {
+		q.trims[i] = keep
+	}
+	return q
+}
+
+// run is one Compact call.
+type run struct {
+	e     *Engine
+	ctx   context.Context
+	in    Input
+	msgs  []chat.Message
+	n     int
+	chain bool // Input.Chain is usable
+	lead  int  // leading system/developer messages
+	tail  int  // start of the protected tail
+	keep  int  // Trim.Keep for new trims
+	scale float64
+	st    State
+	ev    Events
+
+	excerpts map[[2]int]chat.Message
+	blocks   map[*Summary][]chat.Message
+
+	newTrims, newSum, newDrop, pending bool
+}
+
+// Compact decides what to forward for one request (DESIGN.md § Compaction).
+// It never fails: a problem leaves the client's view forwarded.
+func (e *Engine) Compact(ctx context.Context, in Input) Output {
+	r := &run{
+		e:        e,
+		ctx:      ctx,
+		in:       in,
+		msgs:     in.Messages,
+		n:        len(in.Messages),
+		chain:    len(in.Chain) == len(in.Messages)+1,
+		keep:     e.cfg.TrimToolResultTokens * bytesPerToken / 2,
+		scale:    1,
+		st:       in.State.clone(),
+		excerpts: make(map[[2]int]chat.Message),
+		blocks:   make(map[*Summary][]chat.Message),
+	}
+	if r.in.Estimate == nil {
+		r.in.Estimate = byteEstimate
+	}
+	for r.lead < r.n && isSystemRole(r.msgs[r.lead].Role) {
+		r.lead++
+	}
+	r.tail = tailStart(r.msgs, e.cfg.KeepTail)
+	return r.compact()
+}
+
+// tailStart is the cut: len − keepTail (the final message always stays),
+// walked backward while the message at the cut is a tool result, so the
+// tail starts with the assistant call its results answer.
+func tailStart(msgs []chat.Message, keepTail int) int {
+	c := max(len(msgs)-max(keepTail, 1), 0)
+	for c > 0 && isToolRole(msgs[c].Role) {
+		c--
+	}
+	return c
+}
+
+// byteEstimate is the fallback estimator: 4 bytes per token.
+func byteEstimate(view []chat.Message) anchor.Estimate {
+	t := 0
+	for i := range view {
+		t += len(view[i].Raw)
+	}
+	return anchor.Estimate{Tokens: t / bytesPerToken, Source: anchor.SourceLocal, Local: t / bytesPerToken}
+}
+
+func (r *run) compact() Output {
+	cfg := r.e.cfg
+	out := Output{}
+
+	p := r.reapply()
+	view := r.in.Messages
+	if !p.empty() {
+		view = r.view(p)
+	}
+	out.Context = r.in.Estimate(view)
+	cur := out.Context.Tokens
+	if m := r.in.Measured; m > 0 {
+		if cur > 0 && m > cur {
+			r.scale = float64(m) / float64(cur)
+		}
+		out.Context.Tokens = m
+		cur = m
+	}
+
+	if r.in.Window > 0 {
+		out.Budget = r.in.Window - max(cfg.ReserveTokens, r.in.MaxTokens)
+		if out.Budget > 0 {
+			out.Trigger = int(float64(out.Budget) * cfg.TriggerRatio)
+			out.Target = int(float64(out.Budget) * cfg.TargetRatio)
+		}
+	}
+	if out.Budget > 0 && cur >= out.Trigger && r.n > 0 {
+		cur = r.decide(&p, cur, out.Budget, out.Target)
+	}
+	return r.finish(out, p, cur)
+}
+
+// reapply returns the stored compactions that still match the client's
+// chain: the summary whose head digest matches at its cut, trims whose
+// message (and everything before it) is unchanged, the drop likewise.
+func (r *run) reapply() plan {
+	p := plan{trims: map[int]int{}}
+	if !r.chain {
+		return p
+	}
+	ch := r.in.Chain
+	if s := r.st.Summary; s != nil && s.Lead == r.lead && s.Cut > s.Lead && s.Cut < r.n &&
+		ch[s.Cut] == s.Head && s.Ask < s.Cut {
+		p.sum = s
+	}
+	for _, t := range r.st.Trims {
+		if t.Index < 0 || t.Index >= r.n-1 || ch[t.Index+1] != t.Prefix {
+			continue // the final message is never trimmed
+		}
+		if p.sum != nil && t.Index < p.sum.Cut {
+			continue
+		}
+		if _, ok := r.trimmed(t.Index, t.Keep); ok {
+			p.trims[t.Index] = t.Keep
+		}
+	}
+	if d := r.st.Drop; d != nil && d.From < d.To && d.To < r.n && ch[d.To] == d.Prefix {
+		lo := r.lead
+		if p.sum != nil {
+			lo = p.sum.Cut
+		}
+		if d.From >= lo {
+			p.drop = d
+		}
+	}
+	return p
+}
+
+// view builds the messages a plan forwards.
+func (r *run) view(p plan) []chat.Message {
+	out := make([]chat.Message, 0, r.n+3)
+	for i := 0; i < r.n; i++ {
+		if p.sum != nil && i == p.sum.Lead {
+			out = append(out, r.block(p.sum)...)
+			i = p.sum.Cut - 1
+			continue
+		}
+		if p.drop != nil && i == p.drop.From {
+			i = p.drop.To - 1
+			continue
+		}
+		if keep, ok := p.trims[i]; ok {
+			m, _ := r.trimmed(i, keep)
+			out = append(out, m)
+			continue
+		}
+		out = append(out, r.msgs[i])
+	}
+	return out
+}
+
+func (r *run) block(s *Summary) []chat.Message {
+	b, ok := r.blocks[s]
+	if !ok {
+		b = summaryBlock(s, r.msgs)
+		r.blocks[s] = b
+	}
+	return b
+}
+
+// trimmed returns the excerpt of message i (cached for this call).
+func (r *run) trimmed(i, keep int) (chat.Message, bool) {
+	k := [2]int{i, keep}
+	if m, ok := r.excerpts[k]; ok {
+		return m, true
+	}
+	m, ok := trimmed(r.msgs[i], keep)
+	if ok {
+		r.excerpts[k] = m
+	}
+	return m, ok
+}
+
+// est estimates a view, scaled when a measurement said the estimator
+// undercounts.
+func (r *run) est(view []chat.Message) int {
+	t := r.in.Estimate(view).Tokens
+	if r.scale != 1 {
+		t = int(float64(t)*r.scale + 0.5)
+	}
+	return t
+}
+
+// decide runs the steps over the trigger and returns the estimate of the
+// resulting plan.
+func (r *run) decide(p *plan, cur, budget, target int) int {
+	cfg := r.e.cfg
+	headStart := r.lead
+	if p.sum != nil {
+		headStart = p.sum.Cut
+	}
+
+	// 1. Trim tool results outside the leading system messages and the
+	// protected tail, oldest first.
+	if cands := r.trimCandidates(*p, headStart, max(r.tail, headStart)); len(cands) > 0 {
+		var reached bool
+		cur, reached = r.applyTrims(p, cands, target)
+		r.newTrims = true
+		if reached {
+			return cur
+		}
+	}
+
+	// 2. Summarize the head when trim could not reach the target.
+	if cur >= target && cfg.SummarizerEnabled && r.e.sum != nil && r.chain &&
+		r.tail > headStart && r.tail < r.n {
+		cur = r.summarize(p, cur, headStart, target)
+	}
+
+	// 4. Still over: excerpt the tail's oldest long tool results (never
+	// the final message), then drop whole turns when over the budget.
+	if cur >= target {
+		start := r.lead
+		if p.sum != nil {
+			start = p.sum.Cut
+		}
+		if cands := r.trimCandidates(*p, start, r.n-1); len(cands) > 0 {
+			cur, _ = r.applyTrims(p, cands, target)
+			r.newTrims = true
+		}
+	}
+	if cur > budget {
+		cur = r.dropTurns(p, cur, budget, target)
+	}
+	return cur
+}
+
+// trimCandidates lists, oldest first, the long tool results in [from, to)
+// that the plan does not trim or drop yet.
+func (r *run) trimCandidates(p plan, from, to int) []int {
+	limit := r.e.cfg.TrimToolResultTokens
+	var out []int
+	for i := max(from, r.lead); i < to && i < r.n; i++ {
+		m := &r.msgs[i]
+		if !trimmable(m) || textTokens(m) <= limit {
+			continue
+		}
+		if _, done := p.trims[i]; done {
+			continue
+		}
+		if p.drop != nil && i >= p.drop.From && i < p.drop.To {
+			continue
+		}
+		if _, ok := r.trimmed(i, r.keep); ok {
+			out = append(out, i)
+		}
+	}
+	return out
+}
+
+// applyTrims adds the fewest leading candidates that bring the view below
+// target (all of them when none does) and returns the new estimate and
+// whether the target was reached.
+func (r *run) applyTrims(p *plan, cands []int, target int) (int, bool) {
+	all := p.withTrims(cands, r.keep)
+	estAll := r.est(r.view(all))
+	if estAll >= target {
+		*p = all
+		return estAll, false
+	}
+	// The estimate falls as more results are excerpted: binary search for
+	// the smallest prefix of candidates below the target.
+	lo, hi, hiEst := 1, len(cands), estAll
+	for lo < hi {
+		mid := (lo + hi) / 2
+		if e := r.est(r.view(p.withTrims(cands[:mid], r.keep))); e < target {
+			hi, hiEst = mid, e
+		} else {
+			lo = mid + 1
+		}
+	}
+	*p = p.withTrims(cands[:hi], r.keep)
+	return hiEst, true
+}
+
+// askFor returns the client position of the most recent text-only user
+// message when it lies in the head [lead, cut) (-1 when the tail carries
+// one, or there is none) and whether it must be quoted inside the summary
+// because the tail itself starts with a user message.
+func (r *run) askFor(cut int) (int, bool) {
+	for i := r.n - 1; i >= r.lead; i-- {
+		m := &r.msgs[i]
+		if m.Role != "user" || m.MediaParts > 0 {
+			continue
+		}
+		if i >= cut {
+			return -1, false
+		}
+		return i, r.msgs[cut].Role == "user"
+	}
+	return -1, false
+}
+
+// summarize runs step 2 (with the latch and the throttle) and returns the
+// estimate of the resulting plan.
+func (r *run) summarize(p *plan, cur, headStart, target int) int {
+	cfg := r.e.cfg
+	cut := r.tail
+	ask, inline := r.askFor(cut)
+	next := r.msgs[cut].Role
+	if ask >= 0 && !inline {
+		next = "user"
+	}
+	cand := &Summary{
+		Cut: cut, Head: r.in.Chain[cut], Lead: r.lead,
+		Text: strings.Repeat("word ", cfg.SummaryTokens*bytesPerToken/5),
+		Ack:  next == "user", Ask: ask, AskInline: inline,
+	}
+	withSummary := func(s *Summary) plan {
+		q := plan{sum: s, trims: map[int]int{}}
+		for i, k := range p.trims {
+			if i >= s.Cut {
+				q.trims[i] = k
+			}
+		}
+		return q
+	}
+	if r.est(r.view(withSummary(cand))) >= target {
+		return cur // replacing the head cannot reach the target: step 4
+	}
+
+	n := r.n
+	if r.st.Latched {
+		if n < r.st.LatchCount+cfg.LatchGrowth {
+			r.ev.Suppressed = SuppressedLatch
+			return cur
+		}
+		r.st.Latched = false
+	}
+	now := r.e.clock.Now()
+	if cfg.MinInterval > 0 && !r.in.IgnoreThrottle && !r.st.LastAttempt.IsZero() &&
+		r.st.LastAttemptCount == n && now.Sub(r.st.LastAttempt) < cfg.MinInterval {
+		r.ev.Suppressed = SuppressedThrottle
+		return cur
+	}
+	if !r.in.Summarize || cfg.Shadow {
+		r.pending = true
+		return cur
+	}
+
+	r.st.LastAttempt, r.st.LastAttemptCount = now, n
+	r.ev.SummarizeCalled = true
+	previous := ""
+	if p.sum != nil {
+		previous = p.sum.Text
+	}
+	text, err := r.e.sum.Summarize(r.ctx, r.msgs[headStart:cut:cut], previous)
+	text = strings.TrimSpace(text)
+	if err == nil && text == "" {
+		err = ErrEmptySummary
+	}
+	if err == nil {
+		s := *cand
+		s.Text = text
+		q := withSummary(&s)
+		e := r.est(r.view(q))
+		if e < cur {
+			*p = q
+			r.newSum = true
+			r.ev.SummarizeOK = true
+			r.st.Latched, r.st.LatchCount = false, 0
+			return e
+		}
+		err = fmt.Errorf("%w (%d tokens, %d before)", ErrSummaryNotSmaller, e, cur)
+	}
+	r.ev.SummaryError = err
+	if r.ctx.Err() == nil { // a client that went away is not a summarizer failure
+		r.st.Latched, r.st.LatchCount = cfg.LatchGrowth > 0, n
+		r.ev.LatchEngaged = cfg.LatchGrowth > 0
+	}
+	return cur
+}
+
+// dropTurns drops the oldest whole turns after the system messages (after
+// the summary when one applies): first from the head, down to the target;
+// when dropping the whole head still leaves the view over the budget, from
+// the tail too, but never the final message's turn. A dropped range starts
+// and ends at a message that is not a tool result (pairing-safe), keeps the
+// conversation's opening user message when the next kept message is not a
+// user message, and never makes two user or two assistant messages meet.
+func (r *run) dropTurns(p *plan, cur, budget, target int) int {
+	s := r.lead
+	prev := ""
+	if p.sum != nil {
+		s = p.sum.Cut
+		b := r.block(p.sum)
+		prev = b[len(b)-1].Role
+	} else if s > 0 {
+		prev = r.msgs[s-1].Role
+	}
+	final := r.n - 1
+	for final > 0 && isToolRole(r.msgs[final].Role) {
+		final--
+	}
+	if s >= final {
+		return cur
+	}
+	minTo := s + 1
+	if p.drop != nil {
+		minTo = p.drop.To
+	}
+	type cand struct{ from, to int }
+	var head, tail []cand
+	for to := minTo; to <= final; to++ {
+		role := r.msgs[to].Role
+		if isToolRole(role) {
+			continue
+		}
+		from := s
+		if r.msgs[s].Role == "user" && role != "user" && prev != "user" {
+			from = s + 1
+		}
+		last := prev
+		if from > s {
+			last = "user"
+		}
+		if from >= to || ((last == "user" || last == "assistant") && last == role) {
+			continue
+		}
+		if to <= r.tail {
+			head = append(head, cand{from, to})
+		} else {
+			tail = append(tail, cand{from, to})
+		}
+	}
+	with := func(c cand) plan {
+		q := *p
+		q.drop = &Drop{From: c.from, To: c.to}
+		if r.chain {
+			q.drop.Prefix = r.in.Chain[c.to]
+		}
+		return q
+	}
+	// pick returns the smallest candidate below target, else the largest.
+	pick := func(cs []cand) (plan, int) {
+		lo, hi := 0, len(cs)-1
+		best, bestEst := with(cs[hi]), r.est(r.view(with(cs[hi])))
+		if bestEst >= target {
+			return best, bestEst
+		}
+		for lo < hi {
+			mid := (lo + hi) / 2
+			q := with(cs[mid])
+			if e := r.est(r.view(q)); e < target {
+				hi, best, bestEst = mid, q, e
+			} else {
+				lo = mid + 1
+			}
+		}
+		return best, bestEst
+	}
+	if len(head) > 0 {
+		q, e := pick(head)
+		*p, cur = q, e
+		r.newDrop = true
+		if cur <= budget {
+			return cur
+		}
+	}
+	if len(tail) > 0 {
+		q, e := pick(tail)
+		*p, cur = q, e
+		r.newDrop = true
+	}
+	return cur
+}
+
+// finish builds the forwarded view, checks it, and fills the output.
+func (r *run) finish(out Output, p plan, cur int) Output {
+	cfg := r.e.cfg
+	in := r.in
+	fresh := r.newTrims || r.newSum || r.newDrop
+
+	out.Messages = in.Messages
+	if !p.empty() {
+		out.Messages = r.view(p)
+		if r.e.corrupt != nil {
+			out.Messages = r.e.corrupt(out.Messages)
+		}
+		// Every produced view must pass the strict pairing check (or, when
+		// the client's own view does not — pairing off — add nothing).
+		if v := violations(out.Messages); v > 0 && v > violations(in.Messages) {
+			r.ev.InvariantFailure = true
+			out.Messages = in.Messages
+			cur = r.est(in.Messages)
+			// Keep the summarize bookkeeping (latch, throttle) so a broken
+			// view does not cause a summarize per step; forget the stored
+			// records if they alone already produce a broken view.
+			if !fresh || violations(r.view(r.reapply())) > 0 {
+				r.st.Summary, r.st.Trims, r.st.Drop = nil, nil, nil
+			}
+			p, fresh, r.newTrims, r.newSum, r.newDrop = plan{}, false, false, false, false
+		}
+	}
+	out.Forwarded = cur
+
+	// The action the forwarded view carries and the new ones.
+	out.Action = ActionNone
+	switch {
+	case p.sum != nil && r.newSum:
+		out.Action = ActionSummarized
+		r.ev.NewActions = append(r.ev.NewActions, ActionSummarized)
+	case p.sum != nil:
+		out.Action = ActionReused
+		r.ev.NewActions = append(r.ev.NewActions, ActionReused)
+	case p.drop != nil:
+		out.Action = ActionDropped
+	case len(p.trims) > 0:
+		out.Action = ActionTrimmed
+	}
+	if r.newDrop {
+		r.ev.NewActions = append(r.ev.NewActions, ActionDropped)
+	}
+	if r.newTrims {
+		r.ev.NewActions = append(r.ev.NewActions, ActionTrimmed)
+	}
+	if r.pending {
+		out.Action = ActionSummarizePending
+	}
+
+	if fresh && r.chain {
+		r.st.Summary = p.sum
+		r.st.Drop = p.drop
+		r.st.Trims = r.st.Trims[:0:0]
+		for i, k := range p.trims {
+			r.st.Trims = append(r.st.Trims, Trim{Index: i, Prefix: in.Chain[i+1], Keep: k})
+		}
+		slices.SortFunc(r.st.Trims, func(a, b Trim) int { return a.Index - b.Index })
+	}
+	out.State = r.st
+	out.StateChanged = !stateEqual(in.State, r.st)
+	out.Events = r.ev
+
+	if cfg.Shadow {
+		// Decide and report, forward the client's view, store nothing.
+		if !p.empty() {
+			out.Forwarded = r.est(in.Messages)
+		}
+		out.Messages = in.Messages
+		out.State, out.StateChanged = in.State, false
+	}
+	return out
+}
+
+// stateEqual compares two states (anchors included).
+func stateEqual(a, b State) bool {
+	if a.Latched != b.Latched || a.LatchCount != b.LatchCount ||
+		!a.LastAttempt.Equal(b.LastAttempt) || a.LastAttemptCount != b.LastAttemptCount ||
+		!slices.Equal(a.Anchors, b.Anchors) || !slices.Equal(a.Trims, b.Trims) {
+		return false
+	}
+	if (a.Summary == nil) != (b.Summary == nil) || (a.Summary != nil && *a.Summary != *b.Summary) {
+		return false
+	}
+	if (a.Drop == nil) != (b.Drop == nil) || (a.Drop != nil && *a.Drop != *b.Drop) {
+		return false
+	}
+	return true
+}

@@ -1,0 +1,128 @@
+package compaction
+
+import (
+	"slices"
+	"time"
+
+	"github.com/compactproxy/compactproxy/internal/anchor"
+)
+
+// MaxAnchors is how many anchors a conversation keeps (most recent first).
+const MaxAnchors = 4
+
+// State is one conversation's stored state. The proxy loads it, passes it in
+// Input.State and saves Output.State when Output.StateChanged. It holds no
+// message copies: records are keyed by digests of the client's chain and
+// name client positions; the only texts are the summary and nothing else
+// (trim excerpts are recomputed from the client's message, identically,
+// because they are a pure function of the message and Trim.Keep).
+//
+// Positions are indexes into Input.Messages (the provider-visible view,
+// UI-only messages removed), not chat.Message.Index.
+//
+// Size without the summary text and trim records: 4 anchors (≈ 64 B each),
+// the summary's metadata (≈ 64 B), one drop record (≈ 48 B), latch and
+// throttle (≈ 40 B): well under DESIGN's 2 KiB.
+type State struct {
+	// Anchors are provider measurements of forwarded views, most recent
+	// first, at most MaxAnchors; maintained by the proxy through AddAnchor.
+	Anchors []anchor.Anchor
+
+	// Summary is the stored summary, nil when none.
+	Summary *Summary
+	// Trims are the tool results that are forwarded as excerpts, in index
+	// order.
+	Trims []Trim
+	// Drop is the range of messages that is not forwarded, nil when none.
+	Drop *Drop
+
+	// Latched is true after a failed summarize: until the provider-visible
+	// message count reaches LatchCount + Config.LatchGrowth, the engine stays
+	// on the trim-only path. A successful summarize releases it.
+	Latched    bool
+	LatchCount int
+	// LastAttempt and LastAttemptCount are the time and the provider-visible
+	// message count of the last summarize attempt (the throttle).
+	LastAttempt      time.Time
+	LastAttemptCount int
+}
+
+// Summary is a summary that replaced the client's messages [Lead, Cut).
+type Summary struct {
+	// Cut is the first client message kept after the summary (the start of
+	// the verbatim tail when it was made); Head is the client chain's d[Cut]
+	// at that time, so the summary applies to every later request whose
+	// first Cut messages are the same (same model identity and tools too,
+	// since the chain's seed carries them).
+	Cut  int
+	Head anchor.Digest
+	// Lead is the number of leading system/developer messages kept before
+	// the summary.
+	Lead int
+	// Text is the summarizer's answer (what the next summarize folds).
+	Text string
+	// Ack is true when an assistant acknowledgement follows the summary
+	// message (the next message is a user message).
+	Ack bool
+	// Ask is the client position of the most recent text-only user message
+	// of the summarized head, re-inserted verbatim after the summary (and
+	// the acknowledgement); -1 when none. When AskInline is set, the tail
+	// starts with a user message of its own, so the ask is quoted at the end
+	// of the summary message instead of being a message (two user messages
+	// never meet).
+	Ask       int
+	AskInline bool
+}
+
+// Trim records one tool result forwarded as a head/tail excerpt.
+type Trim struct {
+	// Index is the client position of the tool message; Prefix is the
+	// client chain's d[Index+1], which covers the message and everything
+	// before it.
+	Index  int
+	Prefix anchor.Digest
+	// Keep is the number of text bytes the excerpt keeps (two thirds from
+	// the head, one third from the tail).
+	Keep int
+}
+
+// Drop records the client messages [From, To) that are not forwarded.
+// Prefix is the client chain's d[To].
+type Drop struct {
+	From, To int
+	Prefix   anchor.Digest
+}
+
+// AddAnchor records a measurement: most recent first, at most MaxAnchors,
+// and an earlier anchor of the same prefix (PrefixLen and Prefix) is
+// replaced.
+func (s *State) AddAnchor(a anchor.Anchor) {
+	out := make([]anchor.Anchor, 0, MaxAnchors)
+	out = append(out, a)
+	for _, b := range s.Anchors {
+		if len(out) == MaxAnchors {
+			break
+		}
+		if b.PrefixLen == a.PrefixLen && b.Prefix == a.Prefix {
+			continue
+		}
+		out = append(out, b)
+	}
+	s.Anchors = out
+}
+
+// clone returns a copy of s that shares no mutable memory with it.
+func (s State) clone() State {
+	c := s
+	c.Anchors = slices.Clone(s.Anchors)
+	c.Trims = slices.Clone(s.Trims)
+	if s.Summary != nil {
+		v := *s.Summary
+		c.Summary = &v
+	}
+	if s.Drop != nil {
+		v := *s.Drop
+		c.Drop = &v
+	}
+	return c
+}
