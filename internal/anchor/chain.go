@@ -1,0 +1,122 @@
+package anchor
+
+import (
+	"crypto/sha256"
+	"encoding/binary"
+	"fmt"
+	"hash"
+
+	"github.com/compactproxy/compactproxy/internal/chat"
+)
+
+// Digest is a 256-bit digest (SHA-256).
+type Digest [32]byte
+
+// PromptFields are the top-level request fields that change the prompt the
+// provider renders besides the messages; their canonical values go into the
+// seed d0 of every digest chain, so an anchor never applies to a request
+// whose tools or output format differ.
+var PromptFields = []string{"tools", "functions", "tool_choice", "response_format", "chat_template_kwargs"}
+
+// seedDomain separates seed hashes from every other SHA-256 input here and
+// versions the scheme: changing the canonical form must change it, so old
+// persisted anchors stop matching instead of matching wrongly.
+const seedDomain = "compactproxy/anchor/seed/v1"
+
+// Seed is d0 of a conversation's digest chain: the hash of the model
+// identity (upstream name + requested model) and the canonical values of
+// the PromptFields. fields maps a top-level key to its raw JSON value; keys
+// outside PromptFields are ignored, and a nil or empty value counts as
+// absent. Absent and present differ (`"tools": null` is present), and every
+// part is length-prefixed so no two different inputs concatenate to the
+// same bytes. A value that is not valid JSON (the parser should have
+// rejected the body) is hashed raw, under its own marker.
+func Seed(modelIdentity string, fields map[string][]byte) Digest {
+	h := sha256.New()
+	h.Write([]byte(seedDomain))
+	writeLenPrefixed(h, []byte(modelIdentity))
+	c := canonPool.Get().(*canonicalizer)
+	buf := c.buf[:0]
+	for _, name := range PromptFields {
+		writeLenPrefixed(h, []byte(name))
+		v := fields[name]
+		if len(v) == 0 {
+			h.Write([]byte{0})
+			continue
+		}
+		var err error
+		buf, err = c.run(buf[:0], v, false)
+		if err != nil {
+			h.Write([]byte{2})
+			writeLenPrefixed(h, v)
+			continue
+		}
+		h.Write([]byte{1})
+		writeLenPrefixed(h, buf)
+	}
+	if cap(buf) <= maxPooledBuf {
+		c.buf = buf[:0]
+	}
+	c.release()
+	var d Digest
+	h.Sum(d[:0])
+	return d
+}
+
+func writeLenPrefixed(h hash.Hash, b []byte) {
+	var n [8]byte
+	binary.BigEndian.PutUint64(n[:], uint64(len(b)))
+	h.Write(n[:])
+	h.Write(b)
+}
+
+// Chain returns the digest chain of a view whose messages hash to msgs:
+// d[0] = seed, d[i+1] = SHA-256(d[i] || msgs[i]), len(msgs)+1 digests.
+// d[k] identifies the first k messages under that seed. Chaining the
+// per-message hash (rather than the canonical bytes) lets a message be
+// canonicalized and hashed once and reused by every view that contains it;
+// it is as collision-resistant as hashing the bytes, since each link is a
+// fixed 64-byte input.
+func Chain(seed Digest, msgs []Digest) []Digest {
+	out := make([]Digest, len(msgs)+1)
+	out[0] = seed
+	var buf [64]byte
+	for i := range msgs {
+		copy(buf[:32], out[i][:])
+		copy(buf[32:], msgs[i][:])
+		out[i+1] = sha256.Sum256(buf[:])
+	}
+	return out
+}
+
+// ViewChain computes what EstimateView needs for a view: its digest chain
+// under seed and the local token estimate of each message (est; nil means
+// the default estimator). A message whose HasDigest is set is not hashed
+// again; the others are hashed from Raw and their Digest and HasDigest are
+// filled in place, so a message shared by several views (client's view,
+// compacted view) is hashed once. An invalid message is an error naming
+// its index.
+func ViewChain(seed Digest, msgs []chat.Message, est LocalEstimator) ([]Digest, []int, error) {
+	if est == nil {
+		est = defaultEstimator
+	}
+	chain := make([]Digest, len(msgs)+1)
+	local := make([]int, len(msgs))
+	chain[0] = seed
+	var buf [64]byte
+	for i := range msgs {
+		m := &msgs[i]
+		if !m.HasDigest {
+			d, err := MessageHash(m.Raw)
+			if err != nil {
+				return nil, nil, fmt.Errorf("anchor: message %d: %w", i, err)
+			}
+			m.Digest, m.HasDigest = d, true
+		}
+		copy(buf[:32], chain[i][:])
+		copy(buf[32:], m.Digest[:])
+		chain[i+1] = sha256.Sum256(buf[:])
+		local[i] = est.Tokens(m)
+	}
+	return chain, local, nil
+}
