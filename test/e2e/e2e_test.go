@@ -98,7 +98,9 @@ func runClient(t *testing.T, root, baseURL string) clientResult {
 	cmd.Env = append(os.Environ(), "E2E_BASE_URL="+baseURL, "E2E_API_KEY="+apiKey)
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	start := time.Now()
 	runErr := cmd.Run()
+	t.Logf("client.mjs against %s took %v", baseURL, time.Since(start).Round(time.Millisecond))
 	var res clientResult
 	if err := json.Unmarshal(bytes.TrimSpace(stdout.Bytes()), &res); err != nil {
 		t.Fatalf("client.mjs: %v; output is not its JSON result (%v)\nstdout: %s\nstderr: %s", runErr, err, stdout.Bytes(), stderr.Bytes())
@@ -283,9 +285,11 @@ func buildBinary(t *testing.T, root string) string {
 	cmd := exec.CommandContext(ctx, "go", "build", "-o", bin, "./cmd/compactproxy")
 	cmd.Dir = root
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	start := time.Now()
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("go build ./cmd/compactproxy: %v\n%s", err, out)
 	}
+	t.Logf("go build ./cmd/compactproxy took %v", time.Since(start).Round(time.Millisecond))
 	return bin
 }
 

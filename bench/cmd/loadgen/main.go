@@ -31,9 +31,14 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/compactproxy/compactproxy/internal/chat/chattest"
 )
 
-// scenario is one kind of request.
+// scenario is one kind of request. Bodies come from chattest.AgentBody, the
+// same agent requests the parser's `go test -bench` functions use: system
+// prompt, user ask, then assistant tool calls each answered by a long tool
+// output (16 KiB: one call; 1 MiB: about 1,000 messages).
 type scenario struct {
 	Name   string
 	Bytes  int
@@ -121,7 +126,7 @@ func main() {
 		{Name: "1MiB", Bytes: 1 << 20, Count: map[int]int{1: 40, 32: 128}},
 	}
 	for _, s := range scenarios {
-		s.body = agentBody(s.Bytes, s.Stream)
+		s.body = chattest.AgentBody(s.Bytes, s.Stream)
 	}
 
 	targets := []*target{
