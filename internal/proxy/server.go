@@ -5,35 +5,141 @@ package proxy
 
 import (
 	"context"
+	"crypto/rand"
+	"fmt"
 	"net/http"
+	"sync/atomic"
 
+	"github.com/compactproxy/compactproxy/internal/anchor"
+	"github.com/compactproxy/compactproxy/internal/compaction"
 	"github.com/compactproxy/compactproxy/internal/config"
+	"github.com/compactproxy/compactproxy/internal/metrics"
+	"github.com/compactproxy/compactproxy/internal/store"
+	"github.com/go-chi/chi/v5"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.uber.org/zap"
 )
 
 // Server is the proxy. Build it with New, serve Handler, call Start to begin
 // background work (context-window discovery) and Close when done.
 type Server struct {
-	cfg     config.Config
-	log     *zap.Logger
-	reg     *prometheus.Registry
-	handler http.Handler
+	cfg          config.Config
+	log          *zap.Logger
+	metrics      *metrics.Metrics
+	handler      http.Handler
+	up           upstreamURLs
+	chatURL      string
+	transport    *http.Transport
+	retrier      *retrier
+	auth         *clientAuth
+	tenantSecret []byte
+	ready        *readiness
+	windows      *windows
+	upstreamName string
+	store        stateStore
+	convLocks    keyedMutex
+	calibration  *anchor.Calibration
+	local        anchor.LocalEstimator
+	engine       *compaction.Engine
+	// summarizerIsUpstream: the summarizer is the chat upstream itself, so
+	// the client's own credentials may be used for it.
+	summarizerIsUpstream bool
+	sumSem               chan struct{}
+
+	// noStreamOptions is set once the upstream rejected stream_options
+	// (upstream.stream_usage auto).
+	noStreamOptions atomic.Bool
+
+	// prepare runs after parsing and before forwarding (pairing, anchors,
+	// compaction); it returns true when it already answered the client.
+	prepare func(w http.ResponseWriter, r *http.Request, cr *chatRequest, ci *chatInfo) bool
+	// recoverOverflow is asked about an upstream error answer before any
+	// byte reached the client; true means cr was changed and is to be
+	// sent again (DESIGN step 5).
+	recoverOverflow func(ctx context.Context, cr *chatRequest, status int, body []byte) bool
 }
 
 // New builds a Server from a validated configuration. reg is the registry the
 // proxy's metrics are registered on (and that /metrics serves).
 func New(cfg config.Config, log *zap.Logger, reg *prometheus.Registry) (*Server, error) {
-	s := &Server{cfg: cfg, log: log, reg: reg}
-	s.handler = http.NotFoundHandler()
+	up, err := parseUpstream(cfg.Upstream.URL)
+	if err != nil || up.base.Scheme == "" || up.base.Host == "" {
+		return nil, fmt.Errorf("proxy: upstream.url %q is not an absolute URL", cfg.Upstream.URL)
+	}
+	if log == nil {
+		log = zap.NewNop()
+	}
+	s := &Server{
+		cfg:       cfg,
+		log:       log.Named("proxy"),
+		metrics:   metrics.New(reg),
+		up:        up,
+		chatURL:   join(up.base, "chat/completions").String(),
+		transport: newTransport(),
+	}
+	s.retrier = &retrier{policy: cfg.Retry, client: &http.Client{Transport: s.transport}, metrics: s.metrics}
+	s.auth = &clientAuth{required: cfg.Upstream.APIKey != "", allowAnonymous: cfg.Auth.AllowAnonymous}
+	for _, k := range cfg.Auth.ClientKeys {
+		s.auth.keys = append(s.auth.keys, []byte(k.Reveal()))
+	}
+	s.tenantSecret = []byte(cfg.Store.TenantSecret.Reveal())
+	if len(s.tenantSecret) == 0 {
+		s.tenantSecret = make([]byte, 32)
+		_, _ = rand.Read(s.tenantSecret)
+	}
+	s.ready = newReadiness(s)
+	table := map[string]int{}
+	for _, m := range cfg.Models {
+		table[m.Name] = m.ContextWindow
+	}
+	s.windows = newWindows(table, cfg.Upstream.ContextWindow)
+	s.upstreamName = cfg.Upstream.Name
+	if s.upstreamName == "" {
+		s.upstreamName = up.base.Host
+	}
+	s.store = store.NewMemory[compaction.State](cfg.Store.MaxEntries, cfg.Store.TTL)
+	s.calibration = anchor.NewCalibration(1024)
+	s.local = anchor.NewLocalEstimator()
+	s.prepare = s.prepareChat
+	s.recoverOverflow = s.overflow
+	if cfg.Compaction.Enabled {
+		s.engine = compaction.New(s.compactionConfig(), s.newSummarizer(), nil)
+	}
+	s.handler = s.routes(reg)
 	return s, nil
+}
+
+func (s *Server) routes(reg *prometheus.Registry) http.Handler {
+	r := chi.NewRouter()
+	wrap := func(route string, h http.HandlerFunc) http.Handler {
+		return observe(route, s.log.Named("access"), s.metrics, h)
+	}
+	r.Method(http.MethodPost, "/v1/chat/completions", wrap("chat", s.handleChat))
+	r.Method(http.MethodPost, "/v1/compactproxy/preview", wrap("preview", s.handlePreview))
+	r.Method(http.MethodDelete, "/v1/compactproxy/conversations/{id}", wrap("admin", s.handleForget))
+	r.Method(http.MethodGet, "/healthz", wrap("health", s.handleHealthz))
+	r.Method(http.MethodGet, "/readyz", wrap("health", s.handleReadyz))
+	r.Method(http.MethodGet, "/metrics", wrap("metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}).ServeHTTP))
+	pt := s.authorized(s.passthrough())
+	r.Handle("/v1/*", wrap("passthrough", pt.ServeHTTP))
+	for _, p := range []string{"/props", "/tokenize", "/detokenize", "/apply-template", "/slots", "/slots/*"} {
+		r.Handle(p, wrap("passthrough", pt.ServeHTTP))
+	}
+	r.NotFound(func(w http.ResponseWriter, _ *http.Request) {
+		writeError(w, http.StatusNotFound, "invalid_request_error", "not_found", "", "compactproxy: unknown path")
+	})
+	r.MethodNotAllowed(func(w http.ResponseWriter, _ *http.Request) {
+		writeError(w, http.StatusMethodNotAllowed, "invalid_request_error", "method_not_allowed", "", "compactproxy: method not allowed on this path")
+	})
+	return r
 }
 
 // Handler returns the root HTTP handler.
 func (s *Server) Handler() http.Handler { return s.handler }
 
-// Start begins background work; it returns at once. ctx ends it.
-func (s *Server) Start(ctx context.Context) {}
-
 // Close releases resources.
-func (s *Server) Close() error { return nil }
+func (s *Server) Close() error {
+	s.transport.CloseIdleConnections()
+	return nil
+}

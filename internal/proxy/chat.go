@@ -1,0 +1,212 @@
+package proxy
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/compactproxy/compactproxy/internal/anchor"
+	"github.com/compactproxy/compactproxy/internal/chat"
+)
+
+// errBodyTooLarge is returned by readBody when limits.max_body_bytes is hit.
+var errBodyTooLarge = errors.New("proxy: request body too large")
+
+// readBody reads the whole body under limit. Content-Length is checked first
+// so an oversized upload is refused without reading it.
+func readBody(r *http.Request, limit int64) ([]byte, error) {
+	if limit > 0 && r.ContentLength > limit {
+		return nil, errBodyTooLarge
+	}
+	var buf []byte
+	if r.ContentLength > 0 {
+		buf = make([]byte, 0, r.ContentLength+1)
+	}
+	b := bytes.NewBuffer(buf)
+	rd := io.Reader(r.Body)
+	if limit > 0 {
+		rd = io.LimitReader(r.Body, limit+1)
+	}
+	if _, err := b.ReadFrom(rd); err != nil {
+		return nil, err
+	}
+	if limit > 0 && int64(b.Len()) > limit {
+		return nil, errBodyTooLarge
+	}
+	return b.Bytes(), nil
+}
+
+// hopHeaders are not forwarded (RFC 9110 § 7.6.1) plus the ones we set.
+var hopHeaders = []string{
+	"Connection", "Proxy-Connection", "Keep-Alive", "Proxy-Authenticate",
+	"Proxy-Authorization", "Te", "Trailer", "Transfer-Encoding", "Upgrade",
+	"Content-Length", "Host",
+	// The transport negotiates compression itself and decodes it, so the
+	// proxy can read SSE events and usage; the client gets identity.
+	"Accept-Encoding",
+	"X-Compactproxy-Conversation", "X-Compactproxy-Bypass",
+}
+
+// upstreamHeaders builds the headers of a request to the upstream from the
+// client's: hop-by-hop and proxy-only headers removed, credentials replaced
+// when upstream.api_key is set.
+func (s *Server) upstreamHeaders(in http.Header) http.Header {
+	h := in.Clone()
+	if c := in.Get("Connection"); c != "" {
+		for _, f := range strings.Split(c, ",") {
+			h.Del(strings.TrimSpace(f))
+		}
+	}
+	for _, k := range hopHeaders {
+		h.Del(k)
+	}
+	if key := s.cfg.Upstream.APIKey.Reveal(); key != "" {
+		h.Del("X-Api-Key")
+		h.Del("Api-Key")
+		h.Set("Authorization", "Bearer "+key)
+	}
+	return h
+}
+
+// copyResponseHeaders copies the upstream's response headers to the client,
+// without hop-by-hop headers and Content-Length (the body may change).
+func copyResponseHeaders(dst, src http.Header) {
+	for k, vv := range src {
+		switch http.CanonicalHeaderKey(k) {
+		case "Connection", "Keep-Alive", "Transfer-Encoding", "Trailer", "Content-Length", "Upgrade", "Proxy-Connection":
+			continue
+		}
+		dst[k] = append([]string(nil), vv...)
+	}
+}
+
+// chatRequest is one client request on its way through the proxy.
+type chatRequest struct {
+	start   time.Time
+	req     *chat.Request
+	headers http.Header // upstream headers
+	tenant  string
+	// forward is the view that will be sent; unchanged reports whether it
+	// is byte-for-byte the client's body (the fast path).
+	forward   []chat.Message
+	client    []chat.Message // the client's provider-visible view (after pairing repair)
+	unchanged bool
+	// hideUsage is set when the proxy injected include_usage, so the
+	// usage-only chunk must not reach the client.
+	inject bool
+	// spent is time spent in summarize calls, excluded from overhead.
+	spent time.Duration
+	// onUsage is called with the normalized usage of a successful response,
+	// before its last byte is written to the client.
+	onUsage func(u anchor.Usage)
+	// recompact compacts again after an overflow answer; true when the
+	// view changed and the request should be sent again.
+	recompact func(ctx context.Context, info overflowInfo) bool
+	// respHeaders are extra headers for the client (X-Compactproxy-*).
+	respHeaders http.Header
+}
+
+func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
+	ri := infoFrom(r.Context())
+	start := time.Now()
+	if !s.auth.allow(r.Header) {
+		writeError(w, http.StatusUnauthorized, "invalid_request_error", "invalid_api_key", "", "compactproxy: a valid API key for this proxy is required (Authorization: Bearer <key>)")
+		return
+	}
+	body, err := readBody(r, s.cfg.Limits.MaxBodyBytes)
+	if err != nil {
+		if errors.Is(err, errBodyTooLarge) {
+			writeError(w, http.StatusRequestEntityTooLarge, "invalid_request_error", "request_too_large", "",
+				fmt.Sprintf("request body exceeds the proxy's limit of %d bytes (limits.max_body_bytes)", s.cfg.Limits.MaxBodyBytes))
+			return
+		}
+		ri.status = 499
+		return
+	}
+	req, err := chat.Parse(body)
+	if err != nil {
+		var pe *chat.ParseError
+		if errors.As(err, &pe) {
+			writeInvalid(w, pe.Param, pe.Message)
+			return
+		}
+		writeInvalid(w, "", err.Error())
+		return
+	}
+	ci := &chatInfo{model: req.Model, stream: req.Stream, messages: len(req.Messages), action: "none"}
+	ri.chat = ci
+	if req.UIOnlyRemoved > 0 {
+		s.metrics.UIOnlyRemoved.Add(float64(req.UIOnlyRemoved))
+	}
+	cr := &chatRequest{
+		start:       start,
+		req:         req,
+		headers:     s.upstreamHeaders(r.Header),
+		tenant:      tenantOf(s.tenantSecret, r.Header),
+		forward:     req.Messages,
+		unchanged:   req.Unchanged(req.Messages),
+		respHeaders: http.Header{},
+	}
+	cr.respHeaders.Set("X-Compactproxy-Compaction", "none")
+	if s.prepare != nil {
+		if done := s.prepare(w, r, cr, ci); done {
+			return
+		}
+	}
+	s.forwardChat(w, r, cr)
+}
+
+// usageMode reports whether include_usage should be injected.
+func (s *Server) injectUsage(req *chat.Request) bool {
+	if !req.Stream || req.IncludeUsage {
+		return false
+	}
+	switch s.cfg.Upstream.StreamUsage {
+	case "never":
+		return false
+	case "always":
+		return true
+	}
+	return !s.noStreamOptions.Load()
+}
+
+// streamOptions returns the client's stream_options with include_usage set.
+func streamOptions(req *chat.Request) []byte {
+	for _, f := range req.Fields {
+		if f.Key != "stream_options" {
+			continue
+		}
+		var m map[string]json.RawMessage
+		if json.Unmarshal(f.Value, &m) == nil && m != nil {
+			m["include_usage"] = json.RawMessage("true")
+			if b, err := json.Marshal(m); err == nil {
+				return b
+			}
+		}
+	}
+	return []byte(`{"include_usage":true}`)
+}
+
+// body builds the upstream body for the current view.
+func (cr *chatRequest) body() []byte {
+	var set []chat.Field
+	if cr.inject {
+		set = []chat.Field{{Key: "stream_options", Value: streamOptions(cr.req)}}
+	}
+	if cr.unchanged && set == nil {
+		return cr.req.Body
+	}
+	return cr.req.Build(cr.forward, set)
+}
+
+// mentionsStreamOptions recognizes an upstream that rejects stream_options.
+func mentionsStreamOptions(status int, body []byte) bool {
+	return (status == http.StatusBadRequest || status == http.StatusUnprocessableEntity) &&
+		bytes.Contains(body, []byte("stream_options"))
+}

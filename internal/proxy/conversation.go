@@ -1,0 +1,326 @@
+package proxy
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/compactproxy/compactproxy/internal/anchor"
+	"github.com/compactproxy/compactproxy/internal/chat"
+	"github.com/compactproxy/compactproxy/internal/compaction"
+	"go.uber.org/zap"
+)
+
+// stateStore is what the proxy needs of a conversation-state backend: one
+// read and at most two writes per request (store.Memory implements it).
+type stateStore interface {
+	Load(ctx context.Context, key string) (compaction.State, bool, error)
+	Save(ctx context.Context, key string, st compaction.State) error
+	Update(ctx context.Context, key string, fn func(st *compaction.State)) error
+	Delete(ctx context.Context, key string) error
+}
+
+// keyedMutex serializes work per conversation: load → compact → save runs
+// one request at a time per conversation, so concurrent requests of one
+// conversation wait for a running summarize and then reuse its result.
+type keyedMutex struct {
+	mu sync.Mutex
+	m  map[string]*keyedEntry
+}
+
+type keyedEntry struct {
+	mu   sync.Mutex
+	refs int
+}
+
+func (k *keyedMutex) lock(key string) func() {
+	k.mu.Lock()
+	if k.m == nil {
+		k.m = map[string]*keyedEntry{}
+	}
+	e := k.m[key]
+	if e == nil {
+		e = &keyedEntry{}
+		k.m[key] = e
+	}
+	e.refs++
+	k.mu.Unlock()
+	e.mu.Lock()
+	return func() {
+		e.mu.Unlock()
+		k.mu.Lock()
+		e.refs--
+		if e.refs == 0 {
+			delete(k.m, key)
+		}
+		k.mu.Unlock()
+	}
+}
+
+// conversationID returns the opaque id of the request's conversation: the
+// client's X-Compactproxy-Conversation when sent, else the canonical digest
+// of the leading system messages and the first user message.
+func conversationID(r *http.Request, msgs []chat.Message) string {
+	h := sha256.New()
+	if c := r.Header.Get("X-Compactproxy-Conversation"); c != "" {
+		h.Write([]byte("header\x00"))
+		h.Write([]byte(c))
+	} else {
+		h.Write([]byte("derived\x00"))
+		for i := range msgs {
+			m := &msgs[i]
+			if !m.HasDigest {
+				if d, err := anchor.MessageHash(m.Raw); err == nil {
+					m.Digest, m.HasDigest = d, true
+				}
+			}
+			h.Write(m.Digest[:])
+			if m.Role == "user" {
+				break
+			}
+			if m.Role != "system" && m.Role != "developer" {
+				// No user message in the opening block: the first
+				// non-system message identifies the conversation.
+				break
+			}
+		}
+	}
+	return hex.EncodeToString(h.Sum(nil)[:16])
+}
+
+// storeKey binds a conversation to its tenant: one tenant's state never
+// applies to another's request.
+func storeKey(tenant, id string) string { return tenant + "|" + id }
+
+// modelIdentity is upstream.name + the requested model: two endpoints may
+// serve the same bare name with different accounting.
+func (s *Server) modelIdentity(model string) string {
+	return s.upstreamName + "\x00" + model
+}
+
+// seed computes d0 for a request.
+func (s *Server) seed(req *chat.Request) anchor.Digest {
+	fields := map[string][]byte{}
+	for _, f := range req.Fields {
+		for _, k := range anchor.PromptFields {
+			if f.Key == k {
+				fields[k] = f.Value
+			}
+		}
+	}
+	return anchor.Seed(s.modelIdentity(req.Model), fields)
+}
+
+// estimator builds the Estimate closure for one request: any view's digest
+// chain, the conversation's anchors, the local estimate and the model's
+// calibration ratio.
+func (s *Server) estimator(seed anchor.Digest, anchors []anchor.Anchor, identity string) compaction.Estimator {
+	ratio := s.calibration.Ratio(identity)
+	return func(view []chat.Message) anchor.Estimate {
+		chain, local, err := anchor.ViewChain(seed, view, s.local)
+		if err != nil {
+			return anchor.Estimate{Source: anchor.SourceLocal}
+		}
+		return anchor.EstimateView(chain, local, anchors, ratio)
+	}
+}
+
+// prepareChat is the request path between parsing and forwarding: pairing,
+// conversation identity, stored compaction, estimate, compaction, headers
+// and the usage hook that records the anchor.
+func (s *Server) prepareChat(w http.ResponseWriter, r *http.Request, cr *chatRequest, ci *chatInfo) bool {
+	if !s.checkPairing(w, r, cr, ci) {
+		return true
+	}
+	ctx := r.Context()
+	ri := infoFrom(ctx)
+	req := cr.req
+	identity := s.modelIdentity(req.Model)
+	seed := s.seed(req)
+	convID := conversationID(r, cr.forward)
+	key := storeKey(cr.tenant, convID)
+	ci.conversation = convID
+	cr.respHeaders.Set("X-Compactproxy-Conversation-Id", convID)
+
+	bypass := strings.EqualFold(r.Header.Get("X-Compactproxy-Bypass"), "true")
+	if s.windows.get(req.Model) == 0 {
+		s.metrics.UnknownWindow.Inc()
+		if s.windows.warnOnce(req.Model) {
+			s.log.Warn("context window unknown for model; not compacting", zap.String("model", req.Model))
+		}
+	}
+	compact := s.engine != nil && s.cfg.Compaction.Enabled && !bypass
+
+	run := func(ctx context.Context, ignoreThrottle bool) compaction.Output {
+		window := s.windows.get(req.Model)
+		if !compact || window == 0 {
+			st, _, err := s.store.Load(ctx, key)
+			if err != nil {
+				s.log.Warn("state load failed", zap.String("request_id", ri.id), zap.Error(err))
+			}
+			e := s.estimator(seed, st.Anchors, identity)(cr.forward)
+			return compaction.Output{Messages: cr.forward, Action: compaction.ActionNone, Context: e, Forwarded: e.Tokens}
+		}
+		unlock := s.convLocks.lock(key)
+		defer unlock()
+		st, _, err := s.store.Load(ctx, key)
+		if err != nil {
+			s.log.Warn("state load failed", zap.String("request_id", ri.id), zap.Error(err))
+		}
+		est := s.estimator(seed, st.Anchors, identity)
+		chain, _, err := anchor.ViewChain(seed, cr.client, s.local)
+		if err != nil {
+			s.metrics.CompactionErrors.Inc()
+			e := est(cr.forward)
+			return compaction.Output{Messages: cr.forward, Action: compaction.ActionNone, Context: e, Forwarded: e.Tokens}
+		}
+		sumStart := time.Now()
+		out := s.engine.Compact(s.summarizeContext(ctx, r, req.Model), compaction.Input{
+			Messages:       cr.client,
+			Chain:          chain,
+			State:          st,
+			Window:         window,
+			MaxTokens:      req.MaxTokens,
+			Estimate:       est,
+			Summarize:      true,
+			IgnoreThrottle: ignoreThrottle,
+		})
+		if out.Events.SummarizeCalled {
+			cr.spent += time.Since(sumStart)
+		}
+		s.countCompaction(ri.id, out)
+		if out.StateChanged {
+			if err := s.store.Save(ctx, key, out.State); err != nil {
+				s.log.Warn("state save failed", zap.String("request_id", ri.id), zap.Error(err))
+			}
+		}
+		return out
+	}
+	apply := func(out compaction.Output) {
+		if !sameView(out.Messages, cr.forward) {
+			cr.forward = out.Messages
+			cr.unchanged = false
+		}
+		action := string(out.Action)
+		if action == "" || action == string(compaction.ActionSummarizePending) || s.cfg.Compaction.Mode == "shadow" {
+			action = "none"
+		}
+		ci.action = action
+		ci.contextTokens = out.Context.Tokens
+		ci.contextSource = out.Context.Source
+		ci.forwardedToken = out.Forwarded
+		cr.respHeaders.Set("X-Compactproxy-Compaction", action)
+		cr.respHeaders.Set("X-Compactproxy-Context-Tokens", strconv.Itoa(out.Context.Tokens))
+		cr.respHeaders.Set("X-Compactproxy-Context-Source", out.Context.Source)
+		cr.respHeaders.Set("X-Compactproxy-Forwarded-Tokens", strconv.Itoa(out.Forwarded))
+	}
+	cr.client = cr.forward
+	out := run(ctx, false)
+	if out.Context.Source == anchor.SourceAnchor {
+		s.metrics.AnchorLookups.WithLabelValues("hit").Inc()
+	} else {
+		s.metrics.AnchorLookups.WithLabelValues("miss").Inc()
+	}
+	s.metrics.ContextTokens.Observe(float64(out.Context.Tokens))
+	apply(out)
+	cr.recompact = func(ctx context.Context, info overflowInfo) bool {
+		if !compact {
+			compact = s.engine != nil && s.cfg.Compaction.Enabled && !bypass
+		}
+		if !compact {
+			return false
+		}
+		// The provider's count is a measurement of exactly what was sent.
+		if info.prompt > 0 {
+			s.recordAnchor(ctx, ri.id, key, identity, seed, cr.forward, anchor.Usage{Input: info.prompt, Uncached: info.prompt, HasInput: true})
+		}
+		before := cr.forward
+		out := run(ctx, true)
+		apply(out)
+		return !sameView(before, cr.forward)
+	}
+
+	// The usage hook: record the provider's measurement for exactly the
+	// messages forwarded, before the response's last byte is written.
+	cr.onUsage = func(u anchor.Usage) {
+		s.recordAnchor(context.WithoutCancel(ctx), ri.id, key, identity, seed, cr.forward, u)
+	}
+	return false
+}
+
+// recordAnchor stores the provider's measurement of exactly the messages
+// forwarded (one of the request's two writes) and feeds the calibration.
+func (s *Server) recordAnchor(ctx context.Context, reqID, key, identity string, seed anchor.Digest, view []chat.Message, u anchor.Usage) {
+	if !u.HasInput {
+		return
+	}
+	chain, local, err := anchor.ViewChain(seed, view, s.local)
+	if err != nil {
+		return
+	}
+	a, ok := anchor.NewAnchor(chain, u, time.Now().Unix())
+	if !ok {
+		return
+	}
+	ratio := s.calibration.Ratio(identity)
+	if err := s.store.Update(ctx, key, func(st *compaction.State) {
+		// Calibrate on what this view's estimate was, against the
+		// provider's answer: an anchored estimate teaches only about the
+		// messages after its anchor.
+		s.calibration.ObserveEstimate(identity, anchor.EstimateView(chain, local, st.Anchors, ratio), u.Input)
+		st.AddAnchor(a)
+	}); err != nil {
+		s.log.Warn("anchor record failed", zap.String("request_id", reqID), zap.Error(err))
+	}
+}
+
+// sameView reports whether two views are the same messages (same bytes).
+func sameView(a, b []chat.Message) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if len(a[i].Raw) != len(b[i].Raw) || (len(a[i].Raw) > 0 && &a[i].Raw[0] != &b[i].Raw[0]) {
+			return false
+		}
+	}
+	return true
+}
+
+// countCompaction turns the engine's events into metrics and one log line.
+func (s *Server) countCompaction(reqID string, out compaction.Output) {
+	ev := out.Events
+	for _, a := range ev.NewActions {
+		s.metrics.Compactions.WithLabelValues(string(a)).Inc()
+	}
+	if ev.SummarizeCalled {
+		if ev.SummarizeOK {
+			s.metrics.Summarize.WithLabelValues("success").Inc()
+		} else {
+			s.metrics.Summarize.WithLabelValues("failure").Inc()
+		}
+	}
+	if ev.Suppressed != "" {
+		s.metrics.SummarizeSuppressed.WithLabelValues(ev.Suppressed).Inc()
+	}
+	if ev.LatchEngaged {
+		s.metrics.LatchEngaged.Inc()
+	}
+	if ev.InvariantFailure {
+		s.metrics.InvariantFailures.Inc()
+	}
+	if len(ev.NewActions) > 0 || ev.SummarizeCalled || ev.InvariantFailure {
+		fields := []zap.Field{zap.String("request_id", reqID), zap.String("action", string(out.Action)),
+			zap.Int("context_tokens", out.Context.Tokens), zap.Int("forwarded_tokens", out.Forwarded),
+			zap.Int("budget", out.Budget)}
+		if ev.SummaryError != nil {
+			fields = append(fields, zap.String("summarize_error", ev.SummaryError.Error()))
+		}
+		s.log.Info("compaction", fields...)
+	}
+}

@@ -1,0 +1,153 @@
+package proxy
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"net/http"
+	"time"
+
+	"github.com/compactproxy/compactproxy/internal/anchor"
+	"go.uber.org/zap"
+)
+
+// maxErrorBody bounds how much of an upstream error answer is read to
+// classify it (stream_options rejection, context overflow).
+const maxErrorBody = 1 << 20
+
+// maxJSONBody bounds a non-streamed completion read to find its usage.
+const maxJSONBody = 256 << 20
+
+// forwardChat sends the chat request upstream (with retries and the
+// request-changing recoveries) and relays the answer.
+func (s *Server) forwardChat(w http.ResponseWriter, r *http.Request, cr *chatRequest) {
+	ctx := r.Context()
+	ri := infoFrom(ctx)
+	cr.inject = s.injectUsage(cr.req)
+	recovered := false
+	for {
+		body := cr.body()
+		s.metrics.Overhead.Observe((time.Since(cr.start) - cr.spent).Seconds())
+		upStart := time.Now()
+		resp, err := s.retrier.do(ctx, "chat", func() (*http.Request, error) {
+			req, err := http.NewRequest(http.MethodPost, s.chatURL, bytes.NewReader(body))
+			if err != nil {
+				return nil, err
+			}
+			req.Header = cr.headers.Clone()
+			req.Header.Set("Content-Type", "application/json")
+			req.ContentLength = int64(len(body))
+			return req, nil
+		})
+		if err != nil {
+			ri.upstream = time.Since(upStart)
+			if ctx.Err() != nil {
+				ri.status = 499
+				return
+			}
+			s.log.Warn("upstream request failed", zap.String("request_id", ri.id), zap.Error(err))
+			writeError(w, http.StatusBadGateway, "upstream_error", "upstream_unreachable", "",
+				"compactproxy: the upstream could not be reached: "+errorClass(err))
+			return
+		}
+		if resp.StatusCode >= 400 {
+			errBody, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
+			resp.Body.Close()
+			ri.upstream = time.Since(upStart)
+			if cr.inject && s.cfg.Upstream.StreamUsage == "auto" && mentionsStreamOptions(resp.StatusCode, errBody) {
+				// An upstream that does not know stream_options: remember it
+				// and send the request again as the client wrote it.
+				s.noStreamOptions.Store(true)
+				s.metrics.UpstreamRetries.WithLabelValues("chat", "stream_options").Inc()
+				s.log.Info("upstream rejects stream_options; usage injection disabled", zap.String("request_id", ri.id))
+				cr.inject = false
+				continue
+			}
+			if !recovered && s.recoverOverflow != nil {
+				if s.recoverOverflow(ctx, cr, resp.StatusCode, errBody) {
+					recovered = true
+					s.metrics.UpstreamRetries.WithLabelValues("chat", "context_overflow").Inc()
+					continue
+				}
+			}
+			s.writeHeaders(w, cr, resp.Header)
+			w.WriteHeader(resp.StatusCode)
+			_, _ = w.Write(errBody)
+			return
+		}
+		s.relay(w, r, cr, resp, upStart)
+		return
+	}
+}
+
+// errorClass describes an upstream transport error without leaking more
+// than needed.
+func errorClass(err error) string {
+	var de DialError
+	switch {
+	case errors.As(err, &de):
+		return "connection failed (" + de.Error() + ")"
+	case errors.Is(err, context.DeadlineExceeded):
+		return "timed out"
+	}
+	return err.Error()
+}
+
+func (s *Server) writeHeaders(w http.ResponseWriter, cr *chatRequest, up http.Header) {
+	h := w.Header()
+	copyResponseHeaders(h, up)
+	for k, vv := range cr.respHeaders {
+		h[k] = vv
+	}
+}
+
+// relay copies a successful upstream answer to the client: SSE event by
+// event, or a JSON body whole, reading usage before the last byte is sent.
+func (s *Server) relay(w http.ResponseWriter, r *http.Request, cr *chatRequest, resp *http.Response, upStart time.Time) {
+	ri := infoFrom(r.Context())
+	defer resp.Body.Close()
+	defer func() { ri.upstream = time.Since(upStart); s.metrics.UpstreamDuration.Observe(ri.upstream.Seconds()) }()
+	s.writeHeaders(w, cr, resp.Header)
+	if isEventStream(resp.Header.Get("Content-Type")) {
+		w.Header().Del("Content-Length")
+		w.WriteHeader(resp.StatusCode)
+		if f, ok := w.(http.Flusher); ok {
+			f.Flush()
+		}
+		err := relayEvents(w, resp.Body, cr.inject, func(u anchor.Usage) { s.usage(cr, u) })
+		if err != nil && r.Context().Err() != nil {
+			ri.status = 499
+		} else if err != nil {
+			s.log.Warn("upstream stream ended with an error", zap.String("request_id", ri.id), zap.Error(err))
+		}
+		return
+	}
+	body, err := io.ReadAll(io.LimitReader(resp.Body, maxJSONBody))
+	if err != nil {
+		if r.Context().Err() != nil {
+			ri.status = 499
+			return
+		}
+		s.log.Warn("upstream body read failed", zap.String("request_id", ri.id), zap.Error(err))
+		writeError(w, http.StatusBadGateway, "upstream_error", "upstream_error", "", "compactproxy: the upstream answer was cut off")
+		return
+	}
+	if u, ok := anchor.UsageFromJSON(body); ok {
+		s.usage(cr, u)
+	}
+	w.WriteHeader(resp.StatusCode)
+	_, _ = w.Write(body)
+}
+
+// usage counts reported usage and hands it to the anchor hook.
+func (s *Server) usage(cr *chatRequest, u anchor.Usage) {
+	if u.HasInput {
+		s.metrics.UsageInputTokens.WithLabelValues("uncached").Add(float64(u.Uncached))
+		s.metrics.UsageInputTokens.WithLabelValues("cache_read").Add(float64(u.CacheRead))
+		s.metrics.UsageInputTokens.WithLabelValues("cache_write").Add(float64(u.CacheWrite))
+	}
+	if cr.onUsage != nil {
+		cr.onUsage(u)
+	}
+}

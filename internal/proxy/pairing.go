@@ -1,0 +1,106 @@
+package proxy
+
+import (
+	"bytes"
+	"fmt"
+	"net/http"
+
+	"github.com/compactproxy/compactproxy/internal/chat"
+	"github.com/compactproxy/compactproxy/internal/pairing"
+	"go.uber.org/zap"
+)
+
+// pairingView converts messages to pairing's minimal view.
+func pairingView(msgs []chat.Message) []pairing.Message {
+	out := make([]pairing.Message, len(msgs))
+	for i := range msgs {
+		m := &msgs[i]
+		pm := pairing.Message{
+			Role:          m.Role,
+			ToolCallID:    m.ToolCallID,
+			HasToolCallID: m.HasToolCallID,
+			FunctionCall:  m.FunctionCall,
+			Name:          m.Name,
+			HasContent:    hasContent(m),
+		}
+		if len(m.ToolCalls) > 0 {
+			pm.Calls = make([]pairing.Call, len(m.ToolCalls))
+			for j, c := range m.ToolCalls {
+				pm.Calls[j] = pairing.Call{ID: c.ID, HasID: c.HasID, Name: c.Name}
+			}
+		}
+		out[i] = pm
+	}
+	return out
+}
+
+func hasContent(m *chat.Message) bool {
+	c := bytes.TrimSpace(m.Content)
+	return len(c) > 0 && !bytes.Equal(c, []byte("null")) && !bytes.Equal(c, []byte(`""`)) && !bytes.Equal(c, []byte("[]"))
+}
+
+// checkPairing applies pairing.mode to the client's view. It returns false
+// when it answered the client (strict mode, a violation).
+func (s *Server) checkPairing(w http.ResponseWriter, r *http.Request, cr *chatRequest, ci *chatInfo) bool {
+	mode := s.cfg.Pairing.Mode
+	msgs := cr.forward
+	pv := pairingView(msgs)
+	vs := pairing.Check(pv)
+	if len(vs) == 0 {
+		return true
+	}
+	kinds := make([]string, 0, len(vs))
+	for _, v := range vs {
+		s.metrics.PairingViolations.WithLabelValues(string(v.Kind)).Inc()
+		kinds = append(kinds, string(v.Kind))
+	}
+	ri := infoFrom(r.Context())
+	switch mode {
+	case "off":
+		return true
+	case "repair":
+		_, removed := pairing.Repair(pv)
+		cr.forward = applyRemovals(msgs, removed)
+		cr.unchanged = false
+		cr.respHeaders.Set("X-Compactproxy-Pairing", "repaired")
+		ci.pairing = "repaired"
+		s.log.Info("pairing repaired", zap.String("request_id", ri.id), zap.Strings("kinds", kinds), zap.Int("removed", len(removed)))
+		return true
+	}
+	v := vs[0]
+	idx := v.Index
+	if idx >= 0 && idx < len(msgs) {
+		idx = msgs[idx].Index
+	}
+	ci.pairing = "rejected"
+	s.log.Info("pairing violation", zap.String("request_id", ri.id), zap.Strings("kinds", kinds))
+	writeError(w, http.StatusBadRequest, "invalid_request_error", "invalid_tool_pairing",
+		fmt.Sprintf("messages[%d]", idx), v.Describe(idx))
+	return false
+}
+
+// applyRemovals applies pairing.Repair's removals to the chat messages:
+// whole messages are dropped, single tool_calls entries cut out of the raw
+// JSON (other bytes kept).
+func applyRemovals(msgs []chat.Message, removed []pairing.Removal) []chat.Message {
+	whole := map[int]bool{}
+	calls := map[int][]int{}
+	for _, r := range removed {
+		if r.Call < 0 {
+			whole[r.Index] = true
+		} else {
+			calls[r.Index] = append(calls[r.Index], r.Call)
+		}
+	}
+	out := make([]chat.Message, 0, len(msgs))
+	for i, m := range msgs {
+		if whole[i] {
+			continue
+		}
+		if c, ok := calls[i]; ok {
+			m = chat.DropToolCalls(m, c)
+		}
+		out = append(out, m)
+	}
+	return out
+}

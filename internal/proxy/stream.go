@@ -1,0 +1,169 @@
+package proxy
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"errors"
+	"io"
+	"mime"
+	"net/http"
+
+	"github.com/compactproxy/compactproxy/internal/anchor"
+)
+
+func isEventStream(ct string) bool {
+	mt, _, err := mime.ParseMediaType(ct)
+	return err == nil && mt == "text/event-stream"
+}
+
+// readLine returns the next line including its terminator. Lines of any
+// length are supported: bufio.Reader.ReadSlice serves the common case
+// without copying, and long lines (a whole file in one delta) are assembled
+// in buf. A bufio.Scanner would fail past its 64 KiB token limit.
+func readLine(br *bufio.Reader, buf []byte) ([]byte, []byte, error) {
+	line, err := br.ReadSlice('\n')
+	if err != bufio.ErrBufferFull {
+		return line, buf, err
+	}
+	buf = append(buf[:0], line...)
+	for {
+		line, err = br.ReadSlice('\n')
+		buf = append(buf, line...)
+		if err != bufio.ErrBufferFull {
+			return buf, buf, err
+		}
+	}
+}
+
+func isBlank(line []byte) bool {
+	return len(bytes.TrimRight(line, "\r\n")) == 0
+}
+
+// eventData returns the concatenated data fields of one SSE event.
+func eventData(ev []byte) []byte {
+	var data []byte
+	n := 0
+	for len(ev) > 0 {
+		i := bytes.IndexByte(ev, '\n')
+		var line []byte
+		if i < 0 {
+			line, ev = ev, nil
+		} else {
+			line, ev = ev[:i], ev[i+1:]
+		}
+		line = bytes.TrimRight(line, "\r")
+		if !bytes.HasPrefix(line, []byte("data:")) {
+			continue
+		}
+		v := line[5:]
+		if len(v) > 0 && v[0] == ' ' {
+			v = v[1:]
+		}
+		if n == 0 {
+			data = v
+		} else {
+			data = append(append(append([]byte(nil), data...), '\n'), v...)
+		}
+		n++
+	}
+	return data
+}
+
+var (
+	doneData    = []byte("[DONE]")
+	usageKey    = []byte(`"usage"`)
+	timingsKey  = []byte(`"timings"`)
+	errClientGo = errors.New("proxy: client write failed")
+)
+
+// usageOnly reports whether a chunk is the usage-only chunk that
+// include_usage adds (choices is an empty array).
+func usageOnly(data []byte) bool {
+	var c struct {
+		Choices json.RawMessage `json:"choices"`
+		Usage   json.RawMessage `json:"usage"`
+	}
+	if json.Unmarshal(data, &c) != nil {
+		return false
+	}
+	return len(c.Usage) > 0 && !bytes.Equal(c.Usage, []byte("null")) &&
+		bytes.Equal(bytes.TrimSpace(bytes.ReplaceAll(c.Choices, []byte(" "), nil)), []byte("[]"))
+}
+
+// relayEvents copies an SSE stream to w, one flush per event, never
+// coalescing events. Usage found in a chunk (OpenAI usage, llama.cpp
+// timings) is reported through onUsage before the event that ends the
+// stream ([DONE]) is written, so the client's next request sees the anchor.
+// With hideUsage, the usage-only chunk the proxy asked for is not relayed.
+func relayEvents(w io.Writer, body io.Reader, hideUsage bool, onUsage func(anchor.Usage)) error {
+	br := bufio.NewReaderSize(body, 64<<10)
+	flusher, _ := w.(http.Flusher)
+	var (
+		ev, long []byte
+		last     anchor.Usage
+		have     bool
+		reported bool
+	)
+	report := func() {
+		if have && !reported {
+			reported = true
+			onUsage(last)
+		}
+	}
+	emit := func(ev []byte) error {
+		if len(ev) == 0 {
+			return nil
+		}
+		data := eventData(ev)
+		skip := false
+		switch {
+		case bytes.Equal(data, doneData):
+			report()
+		case len(data) > 0 && (bytes.Contains(data, usageKey) || bytes.Contains(data, timingsKey)):
+			if u, ok := anchor.UsageFromJSON(data); ok {
+				last, have = u, true
+			}
+			if hideUsage && usageOnly(data) {
+				skip = true
+				report()
+			}
+		}
+		if skip {
+			return nil
+		}
+		if _, err := w.Write(ev); err != nil {
+			return errClientGo
+		}
+		if flusher != nil {
+			flusher.Flush()
+		}
+		return nil
+	}
+	for {
+		var line []byte
+		var err error
+		line, long, err = readLine(br, long)
+		if len(line) > 0 {
+			ev = append(ev, line...)
+			if isBlank(line) {
+				if werr := emit(ev); werr != nil {
+					return werr
+				}
+				ev = ev[:0]
+			}
+		}
+		if err != nil {
+			// End of stream, clean or not: relay what is left and end the
+			// client's stream cleanly.
+			if werr := emit(ev); werr != nil {
+				return werr
+			}
+			report()
+			if err == io.EOF {
+				return nil
+			}
+			return err
+		}
+	}
+}
