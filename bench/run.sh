@@ -12,8 +12,10 @@
 # and bare and reports compactproxy as failing.
 #
 # Knobs (env): BENCH_ROUNDS (5), BENCH_SCALE (1: multiplies request counts),
-# BENCH_CONCURRENCY (1,32), BENCH_OUT (bench/results), BENCH_LATENCY (20ms).
-# Bounded: every wait has a timeout and loadgen gives up on a stuck target.
+# BENCH_CONCURRENCY (1,32), BENCH_OUT (bench/results), BENCH_LATENCY (20ms),
+# BENCH_BUDGET (270s: no round starts that would end after it).
+# Bounded: every wait has a timeout, loadgen gives up on a stuck target
+# (-cell-timeout) and stops starting rounds past the budget.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -24,6 +26,7 @@ scale="${BENCH_SCALE:-1}"
 conc="${BENCH_CONCURRENCY:-1,32}"
 out="${BENCH_OUT:-$root/bench/results}"
 latency="${BENCH_LATENCY:-20ms}"
+budget="${BENCH_BUDGET:-270s}"
 
 work="$(mktemp -d "${TMPDIR:-/tmp}/compactproxy-bench.XXXXXX")"
 pids=()
@@ -112,7 +115,7 @@ set +e
 timeout --kill-after=10s 600s "$work/loadgen" \
 	-direct "http://$mock/v1" -bare "http://$bare/v1" -bare-pid "$bare_pid" \
 	"${compact_args[@]}" \
-	-clk-tck "$(getconf CLK_TCK)" -rounds "$rounds" -scale "$scale" -concurrency "$conc" \
+	-clk-tck "$(getconf CLK_TCK)" -rounds "$rounds" -scale "$scale" -concurrency "$conc" -budget "$budget" \
 	-out "$out" -note "$note"
 rc=$?
 set -e

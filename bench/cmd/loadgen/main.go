@@ -94,6 +94,7 @@ func main() {
 	concs := flag.String("concurrency", "1,32", "comma-separated concurrencies")
 	cellTimeout := flag.Duration("cell-timeout", 60*time.Second, "give up on a target's round of one cell after this")
 	reqTimeout := flag.Duration("request-timeout", 30*time.Second, "per-request timeout")
+	budget := flag.Duration("budget", 270*time.Second, "stop starting new rounds when the next one would end after this (the rounds done are reported)")
 	out := flag.String("out", "", "directory for results (JSON and text); empty: none")
 	note := flag.String("note", "", "free text recorded with the results (e.g. why compactproxy is absent)")
 	freePort := flag.Bool("freeport", false, "print a free 127.0.0.1 port and exit")
@@ -171,7 +172,13 @@ func main() {
 
 	cells := map[key]*cell{}
 	started := time.Now()
+	done := 0
 	for round := 0; round < *rounds; round++ {
+		if el := time.Since(started); round > 0 && el+el/time.Duration(round) > *budget {
+			fmt.Printf("loadgen: stopping after %d of %d rounds: the next would exceed -budget %v\n", round, *rounds, *budget)
+			*note = strings.TrimSpace(fmt.Sprintf("%s; stopped after %d of %d rounds (budget %v)", *note, round, *rounds, *budget))
+			break
+		}
 		for _, s := range scenarios {
 			for _, c := range cs {
 				n := max(1, int(float64(s.Count[c])**scale))
@@ -200,10 +207,11 @@ func main() {
 				}
 			}
 		}
+		done++
 		fmt.Printf("loadgen: round %d/%d done (%.0fs)\n", round+1, *rounds, time.Since(started).Seconds())
 	}
 
-	rep := buildReport(scenarios, targets, cs, cells, *clkTck, *rounds, *note)
+	rep := buildReport(scenarios, targets, cs, cells, *clkTck, done, strings.TrimPrefix(*note, "; "))
 	text := rep.text()
 	fmt.Print(text)
 	if *out != "" {
