@@ -75,6 +75,8 @@ func Check(msgs []Message) []Violation {
 // The map holds an index into checker.calls rather than the state itself:
 // smaller map slots, and answering a call updates the slice in place instead
 // of writing the map again.
+// int32 is ample: a body within limits.max_body_bytes holds far fewer than
+// 2^31 messages.
 type callState struct {
 	turn     int32 // index of the assistant message holding the call
 	call     int32 // position in its Calls
