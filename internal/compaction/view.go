@@ -33,7 +33,9 @@ func isSystemRole(role string) bool { return role == "system" || role == "develo
 
 // textTokens is the local size of a message's text, for the per-message
 // "long tool result" test.
-func textTokens(m *chat.Message) int { return (max(m.TextBytes, 0) + bytesPerToken - 1) / bytesPerToken }
+func textTokens(m *chat.Message) int {
+	return (max(m.TextBytes, 0) + bytesPerToken - 1) / bytesPerToken
+}
 
 // trimmable tells whether m is a tool result whose text can be excerpted:
 // string content, or an array of text parts only. Messages with image,

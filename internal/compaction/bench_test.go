@@ -1,0 +1,110 @@
+package compaction
+
+import (
+	"context"
+	"testing"
+
+	"github.com/compactproxy/compactproxy/internal/anchor"
+	"github.com/compactproxy/compactproxy/internal/chat"
+)
+
+// benchConversation is a ≈1 MiB agent conversation: 100 steps with 10 KiB
+// results.
+func benchConversation(b *testing.B) ([]chat.Message, []anchor.Digest) {
+	msgs := parse(b, agentSteps(100, 10*1024))
+	size := 0
+	for i := range msgs {
+		size += len(msgs[i].Raw)
+	}
+	if size < 1<<20 {
+		b.Fatalf("conversation is %d bytes", size)
+	}
+	// The proxy has hashed the client's messages before compaction.
+	chain, _, err := anchor.ViewChain(testSeed, msgs, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return msgs, chain
+}
+
+// anchorEstimate is the proxy's estimator closure without anchors: the
+// view's chain (client messages already hashed) and the local estimate.
+func anchorEstimate(view []chat.Message) anchor.Estimate {
+	chain, local, err := anchor.ViewChain(testSeed, view, nil)
+	if err != nil {
+		panic(err)
+	}
+	return anchor.EstimateView(chain, local, nil, 1)
+}
+
+var benchEstimators = []struct {
+	name string
+	est  Estimator
+}{{"fake", fakeEstimate}, {"anchor", anchorEstimate}}
+
+// BenchmarkCompactTrimPath: a 1 MiB conversation over the trigger that
+// trim alone brings below the target, from an empty state (the first
+// request over the trigger: every decision is made).
+func BenchmarkCompactTrimPath(b *testing.B) {
+	msgs, chain := benchConversation(b)
+	for _, be := range benchEstimators {
+		b.Run(be.name, func(b *testing.B) {
+			e := New(baseConfig(), okSummarizer(), newClock())
+			// budget 300k tokens (trigger 240k, target 180k); the view is ≈ 262k (fake).
+			in := Input{Messages: msgs, Chain: chain, Window: 300000, Estimate: be.est, Summarize: true}
+			out := e.Compact(context.Background(), in)
+			if out.Action != ActionTrimmed || out.Forwarded >= out.Target {
+				b.Fatalf("action %q forwarded %d target %d context %d", out.Action, out.Forwarded, out.Target, out.Context.Tokens)
+			}
+			b.ReportAllocs()
+			b.SetBytes(1 << 20)
+			b.ResetTimer()
+			for b.Loop() {
+				e.Compact(context.Background(), in)
+			}
+		})
+	}
+}
+
+// BenchmarkCompactReapplied: the next request of the same conversation:
+// the stored trims are re-applied, the view is below the trigger.
+func BenchmarkCompactReapplied(b *testing.B) {
+	msgs, chain := benchConversation(b)
+	for _, be := range benchEstimators {
+		b.Run(be.name, func(b *testing.B) {
+			e := New(baseConfig(), okSummarizer(), newClock())
+			in := Input{Messages: msgs, Chain: chain, Window: 300000, Estimate: be.est, Summarize: true}
+			in.State = e.Compact(context.Background(), in).State
+			if out := e.Compact(context.Background(), in); out.Action != ActionTrimmed || len(out.Events.NewActions) != 0 {
+				b.Fatalf("action %q new %v", out.Action, out.Events.NewActions)
+			}
+			b.ReportAllocs()
+			b.SetBytes(1 << 20)
+			b.ResetTimer()
+			for b.Loop() {
+				e.Compact(context.Background(), in)
+			}
+		})
+	}
+}
+
+// BenchmarkCompactBelowTrigger: the same conversation with a window large
+// enough that nothing is done (the common path).
+func BenchmarkCompactBelowTrigger(b *testing.B) {
+	msgs, chain := benchConversation(b)
+	for _, be := range benchEstimators {
+		b.Run(be.name, func(b *testing.B) {
+			e := New(baseConfig(), okSummarizer(), newClock())
+			in := Input{Messages: msgs, Chain: chain, Window: 2000000, Estimate: be.est, Summarize: true}
+			if out := e.Compact(context.Background(), in); out.Action != ActionNone {
+				b.Fatalf("action %q", out.Action)
+			}
+			b.ReportAllocs()
+			b.SetBytes(1 << 20)
+			b.ResetTimer()
+			for b.Loop() {
+				e.Compact(context.Background(), in)
+			}
+		})
+	}
+}

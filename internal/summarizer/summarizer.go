@@ -1,0 +1,391 @@
+// Package summarizer is the HTTP summarizer: it asks an OpenAI-compatible
+// chat-completions endpoint for a structured resume of a conversation head
+// that an agent can continue from. It implements compaction.Summarizer.
+//
+// The request is encoded with go-openai's types (a request compactproxy
+// builds itself; client requests are never re-encoded with them). Retries
+// are the transport's business (the proxy passes one with its retry policy
+// under op="summarize"); this package applies Options.Timeout per call.
+package summarizer
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/compactproxy/compactproxy/internal/chat"
+	openai "github.com/sashabaranov/go-openai"
+)
+
+// Errors. A failed call wraps one of them (or the transport's / context's
+// error); callers classify with errors.Is / errors.As.
+var (
+	// ErrEmptySummary: the model answered without text.
+	ErrEmptySummary = errors.New("summarizer: empty summary")
+	// ErrNoModel: neither Options.Model nor the context names a model.
+	ErrNoModel = errors.New("summarizer: no model")
+	// ErrStatus: the endpoint answered a non-2xx status (see StatusError).
+	ErrStatus = errors.New("summarizer: error status")
+	// ErrBadResponse: the answer was not a chat completion.
+	ErrBadResponse = errors.New("summarizer: bad response")
+)
+
+// StatusError is a non-2xx answer. errors.Is(err, ErrStatus) holds.
+type StatusError struct {
+	StatusCode int
+	// Message is the error envelope's message, else the start of the body.
+	Message string
+}
+
+func (e *StatusError) Error() string {
+	return fmt.Sprintf("summarizer: status %d: %s", e.StatusCode, e.Message)
+}
+
+// Is makes errors.Is(err, ErrStatus) true.
+func (e *StatusError) Is(target error) bool { return target == ErrStatus }
+
+// Options configures the client.
+type Options struct {
+	// URL is the base URL including its version path, e.g.
+	// "http://127.0.0.1:8080/v1"; the call goes to URL + "/chat/completions".
+	URL string
+	// APIKey is sent as "Authorization: Bearer"; "" = the credentials the
+	// context carries (WithCredentials), else none.
+	APIKey string
+	// Model is the summarizing model; "" = the request's model (WithModel).
+	Model string
+	// MaxTokens bounds the summary (0 = not sent).
+	MaxTokens int
+	// Dialect "openai" sends max_completion_tokens, anything else
+	// max_tokens (llama.cpp, vLLM, older servers).
+	Dialect string
+	// Timeout bounds each call (a chunked summary makes several); 0 = none
+	// beyond the context's.
+	Timeout time.Duration
+	// Window is the summarizer model's context window in tokens (0 =
+	// unknown: never chunk). A head whose transcript exceeds ~60% of it is
+	// summarized in chunks, each folded into the running summary.
+	Window int
+}
+
+// Client calls the summarizer endpoint. Safe for concurrent use.
+type Client struct {
+	http *http.Client
+	opt  Options
+}
+
+// New returns a client. hc nil means http.DefaultClient.
+func New(hc *http.Client, opt Options) *Client {
+	if hc == nil {
+		hc = http.DefaultClient
+	}
+	opt.URL = strings.TrimRight(opt.URL, "/")
+	return &Client{http: hc, opt: opt}
+}
+
+type credentialsKey struct{}
+type modelKey struct{}
+
+// credentialHeaders are the headers that carry a client's credentials.
+var credentialHeaders = []string{"Authorization", "X-Api-Key", "Api-Key"}
+
+// WithCredentials returns ctx carrying the client's credential headers
+// (Authorization, x-api-key, api-key; other headers are ignored), for the
+// case where the summarizer is the chat upstream itself and has no key of
+// its own. They are sent only when Options.APIKey is empty.
+func WithCredentials(ctx context.Context, header http.Header) context.Context {
+	h := make(http.Header, len(credentialHeaders))
+	for _, k := range credentialHeaders {
+		if v := header.Values(k); len(v) > 0 {
+			h[k] = append([]string(nil), v...)
+		}
+	}
+	return context.WithValue(ctx, credentialsKey{}, h)
+}
+
+// WithModel returns ctx carrying the request's model, used when
+// Options.Model is empty.
+func WithModel(ctx context.Context, model string) context.Context {
+	return context.WithValue(ctx, modelKey{}, model)
+}
+
+// Limits of what is sent.
+const (
+	// bytesPerToken estimates tokens from bytes (chunking only).
+	bytesPerToken = 4
+	// windowShare is the part of the summarizer's window the prompt may
+	// fill; the rest is for the answer and the estimate's error.
+	windowShare = 0.6
+	// maxToolOutput is how much of one tool result the transcript keeps
+	// (head and tail excerpt); a summary needs the gist, not the bytes.
+	maxToolOutput = 6000
+	// maxMessageText bounds any other message's text in the transcript.
+	maxMessageText = 16000
+	// minChunk is the smallest chunk sent even when the window is tiny.
+	minChunk = 2048
+	// maxResponse bounds the answer read from the endpoint.
+	maxResponse = 8 << 20
+)
+
+// systemPrompt asks for a structured resume an agent can continue from.
+const systemPrompt = `You compact the working memory of an AI agent. The earlier part of its conversation will be removed from its context and replaced by your summary; the agent must be able to continue its work from the summary alone, together with the most recent messages, which it keeps verbatim.
+
+Write the summary in this structure (omit a section only when it would be empty):
+## Goal
+What the user asked for, in the user's own words where possible, and any later change of the request.
+## Decisions and constraints
+Choices made, approaches ruled out and why, constraints the user or the environment imposed.
+## Files and key facts
+Each file, module or resource that matters: its path, what it contains that the work depends on (function names, signatures, settings, line numbers), and what was changed in it.
+## Commands run and outcomes
+Commands and tool calls that matter, each with its outcome (passed, failed, what it printed that matters).
+## Errors still open
+Errors and failing tests not resolved yet, with the exact error text when short.
+## Next step
+What the agent was about to do next.
+
+Rules:
+- Use only facts stated in the previous summary or in the transcript. Do not invent file contents, results, decisions or plans; if something is unknown, say so.
+- Keep identifiers, paths, commands, numbers and error messages exact.
+- When a previous summary is given, fold the transcript into it: keep what is still true, update what changed, drop what no longer matters.
+- Answer with the summary only, without preamble.`
+
+// Summarize returns a summary of head that folds previous (the summary the
+// head continues, "" when none). It implements compaction.Summarizer.
+func (c *Client) Summarize(ctx context.Context, head []chat.Message, previous string) (string, error) {
+	model := c.opt.Model
+	if model == "" {
+		model, _ = ctx.Value(modelKey{}).(string)
+	}
+	if model == "" {
+		return "", ErrNoModel
+	}
+	blocks := make([]string, 0, len(head))
+	for i := range head {
+		blocks = append(blocks, renderMessage(&head[i]))
+	}
+	summary := strings.TrimSpace(previous)
+	for _, chunk := range c.chunks(blocks, summary) {
+		s, err := c.call(ctx, model, summary, chunk)
+		if err != nil {
+			return "", err
+		}
+		summary = s
+	}
+	return summary, nil
+}
+
+// chunks packs the rendered messages into transcripts that fit the share
+// of the summarizer's window (one transcript when the window is unknown or
+// everything fits). The running summary's size is reserved as it stands
+// now; later chunks fold a summary of comparable size.
+func (c *Client) chunks(blocks []string, previous string) []string {
+	total := 0
+	for _, b := range blocks {
+		total += len(b)
+	}
+	if c.opt.Window <= 0 {
+		return []string{strings.Join(blocks, "")}
+	}
+	limit := int(float64(c.opt.Window)*windowShare) * bytesPerToken
+	summaryRoom := max(len(previous), c.opt.MaxTokens*bytesPerToken)
+	capacity := max(limit-len(systemPrompt)-summaryRoom-512, minChunk)
+	if total+len(previous)+len(systemPrompt)+512 <= limit {
+		return []string{strings.Join(blocks, "")}
+	}
+	var out []string
+	var cur strings.Builder
+	for _, b := range blocks {
+		if len(b) > capacity {
+			b = cut(b, capacity)
+		}
+		if cur.Len() > 0 && cur.Len()+len(b) > capacity {
+			out = append(out, cur.String())
+			cur.Reset()
+		}
+		cur.WriteString(b)
+	}
+	if cur.Len() > 0 {
+		out = append(out, cur.String())
+	}
+	return out
+}
+
+// call makes one summarize request.
+func (c *Client) call(ctx context.Context, model, previous, transcript string) (string, error) {
+	var user strings.Builder
+	if previous != "" {
+		user.WriteString("Previous summary:\n<previous_summary>\n")
+		user.WriteString(previous)
+		user.WriteString("\n</previous_summary>\n\nThe conversation continued as follows. Fold it into the previous summary.\n")
+	} else {
+		user.WriteString("Summarize this conversation.\n")
+	}
+	user.WriteString("<transcript>\n")
+	user.WriteString(transcript)
+	user.WriteString("</transcript>")
+
+	req := openai.ChatCompletionRequest{
+		Model: model,
+		Messages: []openai.ChatCompletionMessage{
+			{Role: openai.ChatMessageRoleSystem, Content: systemPrompt},
+			{Role: openai.ChatMessageRoleUser, Content: user.String()},
+		},
+	}
+	if c.opt.Dialect == "openai" {
+		req.MaxCompletionTokens = c.opt.MaxTokens
+	} else {
+		req.MaxTokens = c.opt.MaxTokens
+	}
+	body, err := json.Marshal(req)
+	if err != nil {
+		return "", fmt.Errorf("summarizer: encode: %w", err)
+	}
+
+	if c.opt.Timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, c.opt.Timeout)
+		defer cancel()
+	}
+	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, c.opt.URL+"/chat/completions", bytes.NewReader(body))
+	if err != nil {
+		return "", fmt.Errorf("summarizer: request: %w", err)
+	}
+	hr.Header.Set("Content-Type", "application/json")
+	hr.Header.Set("Accept", "application/json")
+	if c.opt.APIKey != "" {
+		hr.Header.Set("Authorization", "Bearer "+c.opt.APIKey)
+	} else if h, ok := ctx.Value(credentialsKey{}).(http.Header); ok {
+		for k, v := range h {
+			hr.Header[k] = v
+		}
+	}
+	resp, err := c.http.Do(hr)
+	if err != nil {
+		return "", fmt.Errorf("summarizer: call: %w", err)
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(io.LimitReader(resp.Body, maxResponse))
+	if err != nil {
+		return "", fmt.Errorf("summarizer: read: %w", err)
+	}
+	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		return "", &StatusError{StatusCode: resp.StatusCode, Message: errorMessage(data)}
+	}
+	var out openai.ChatCompletionResponse
+	if err := json.Unmarshal(data, &out); err != nil {
+		return "", fmt.Errorf("%w: %v", ErrBadResponse, err)
+	}
+	if len(out.Choices) == 0 {
+		return "", fmt.Errorf("%w: no choices", ErrBadResponse)
+	}
+	text := strings.TrimSpace(out.Choices[0].Message.Content)
+	if text == "" {
+		return "", fmt.Errorf("%w (finish_reason %q)", ErrEmptySummary, out.Choices[0].FinishReason)
+	}
+	return text, nil
+}
+
+// errorMessage extracts the OpenAI error envelope's message, else the
+// start of the body.
+func errorMessage(data []byte) string {
+	var env openai.ErrorResponse
+	if json.Unmarshal(data, &env) == nil && env.Error != nil && env.Error.Message != "" {
+		return env.Error.Message
+	}
+	s := strings.TrimSpace(string(data))
+	if len(s) > 512 {
+		s = s[:512] + "..."
+	}
+	return s
+}
+
+// rawMessage is what the transcript needs of a message beyond chat's view:
+// the tool calls' arguments.
+type rawMessage struct {
+	ToolCalls []struct {
+		ID       string `json:"id"`
+		Function struct {
+			Name      string          `json:"name"`
+			Arguments json.RawMessage `json:"arguments"`
+		} `json:"function"`
+	} `json:"tool_calls"`
+	FunctionCall *struct {
+		Name      string          `json:"name"`
+		Arguments json.RawMessage `json:"arguments"`
+	} `json:"function_call"`
+}
+
+// renderMessage renders one message as a transcript block.
+func renderMessage(m *chat.Message) string {
+	var b strings.Builder
+	role := m.Role
+	switch role {
+	case "tool":
+		fmt.Fprintf(&b, "[tool result for %s]\n", m.ToolCallID)
+	case "function":
+		fmt.Fprintf(&b, "[function result %s]\n", m.Name)
+	default:
+		fmt.Fprintf(&b, "[%s]\n", role)
+	}
+	text := chat.Text(*m)
+	limit := maxMessageText
+	if role == "tool" || role == "function" {
+		limit = maxToolOutput
+	}
+	if text != "" {
+		b.WriteString(cut(text, limit))
+		b.WriteByte('\n')
+	}
+	if m.MediaParts > 0 {
+		fmt.Fprintf(&b, "(%d image/audio/file part(s) not shown)\n", m.MediaParts)
+	}
+	if len(m.ToolCalls) > 0 || m.FunctionCall {
+		var rm rawMessage
+		if json.Unmarshal(m.Raw, &rm) == nil {
+			for _, tc := range rm.ToolCalls {
+				fmt.Fprintf(&b, "(calls %s [%s] with %s)\n", tc.Function.Name, tc.ID, cut(arguments(tc.Function.Arguments), 2000))
+			}
+			if fc := rm.FunctionCall; fc != nil {
+				fmt.Fprintf(&b, "(calls %s with %s)\n", fc.Name, cut(arguments(fc.Arguments), 2000))
+			}
+		}
+	}
+	b.WriteByte('\n')
+	return b.String()
+}
+
+// arguments returns tool-call arguments as text: the JSON string's value
+// (OpenAI encodes arguments as a string), else the raw JSON.
+func arguments(raw json.RawMessage) string {
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		return s
+	}
+	return string(raw)
+}
+
+// cut keeps about limit bytes of s: two thirds from the head and one third
+// from the tail, cut at rune boundaries, with a marker in between.
+func cut(s string, limit int) string {
+	if len(s) <= limit {
+		return s
+	}
+	h := limit * 2 / 3
+	t := len(s) - (limit - h)
+	for h > 0 && !isRuneStart(s[h]) {
+		h--
+	}
+	for t < len(s) && !isRuneStart(s[t]) {
+		t++
+	}
+	return s[:h] + fmt.Sprintf("\n[... %d bytes omitted ...]\n", t-h) + s[t:]
+}
+
+func isRuneStart(b byte) bool { return b&0xC0 != 0x80 }

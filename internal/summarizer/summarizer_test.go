@@ -1,0 +1,339 @@
+package summarizer
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/compactproxy/compactproxy/internal/chat"
+	"github.com/compactproxy/compactproxy/internal/compaction"
+)
+
+var _ compaction.Summarizer = (*Client)(nil)
+
+// recorded is one request the fake endpoint received.
+type recorded struct {
+	Path   string
+	Header http.Header
+	Body   map[string]any
+	User   string // the user message's content
+}
+
+// endpoint is an httptest upstream that records requests and answers with
+// handle (default: a summary naming the call number).
+type endpoint struct {
+	*httptest.Server
+	mu     sync.Mutex
+	reqs   []recorded
+	handle func(n int, w http.ResponseWriter, r *http.Request)
+}
+
+func newEndpoint(t *testing.T, handle func(n int, w http.ResponseWriter, r *http.Request)) *endpoint {
+	e := &endpoint{handle: handle}
+	e.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		data, _ := io.ReadAll(r.Body)
+		var body map[string]any
+		if err := json.Unmarshal(data, &body); err != nil {
+			t.Errorf("request body: %v", err)
+		}
+		rec := recorded{Path: r.URL.Path, Header: r.Header.Clone(), Body: body}
+		if msgs, ok := body["messages"].([]any); ok && len(msgs) == 2 {
+			rec.User, _ = msgs[1].(map[string]any)["content"].(string)
+		}
+		e.mu.Lock()
+		e.reqs = append(e.reqs, rec)
+		n := len(e.reqs)
+		e.mu.Unlock()
+		if e.handle != nil {
+			e.handle(n, w, r)
+			return
+		}
+		answer(w, fmt.Sprintf("## Goal\nsummary %d", n))
+	}))
+	t.Cleanup(e.Close)
+	return e
+}
+
+func (e *endpoint) requests() []recorded {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return append([]recorded(nil), e.reqs...)
+}
+
+func answer(w http.ResponseWriter, text string) {
+	w.Header().Set("Content-Type", "application/json")
+	fmt.Fprintf(w, `{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":%q},"finish_reason":"stop"}],"usage":{"prompt_tokens":10,"completion_tokens":5,"total_tokens":15}}`, text)
+}
+
+// head parses a small conversation head through the real parser.
+func head(t *testing.T, msgs ...map[string]any) []chat.Message {
+	t.Helper()
+	body, _ := json.Marshal(map[string]any{"model": "m", "messages": msgs})
+	req, err := chat.Parse(body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return req.Messages
+}
+
+func agentHead(t *testing.T, steps, size int) []chat.Message {
+	msgs := []map[string]any{{"role": "user", "content": "add a retry to fetch_rows in store.py"}}
+	for i := 0; i < steps; i++ {
+		id := fmt.Sprintf("call_%d", i)
+		msgs = append(msgs,
+			map[string]any{"role": "assistant", "content": nil, "tool_calls": []any{map[string]any{
+				"id": id, "type": "function", "function": map[string]any{"name": "bash", "arguments": fmt.Sprintf(`{"cmd":"cat file%d.py"}`, i)}}}},
+			map[string]any{"role": "tool", "tool_call_id": id, "content": fmt.Sprintf("output %d\n", i) + strings.Repeat("x", size)})
+	}
+	return head(t, msgs...)
+}
+
+func TestRequest(t *testing.T) {
+	for _, tc := range []struct {
+		name       string
+		opt        Options
+		ctx        func(context.Context) context.Context
+		wantModel  string
+		wantAuth   string
+		wantAPIKey string
+		wantMax    string // the key carrying the limit
+		absentMax  string
+	}{
+		{"openai dialect, own key", Options{Model: "gpt-sum", APIKey: "sk-sum", MaxTokens: 512, Dialect: "openai"},
+			nil, "gpt-sum", "Bearer sk-sum", "", "max_completion_tokens", "max_tokens"},
+		{"llamacpp dialect, request model, client credentials", Options{MaxTokens: 512, Dialect: "llamacpp"},
+			func(ctx context.Context) context.Context {
+				h := http.Header{}
+				h.Set("Authorization", "Bearer client-key")
+				h.Set("X-Api-Key", "client-x")
+				h.Set("Cookie", "not-a-credential")
+				return WithModel(WithCredentials(ctx, h), "qwen3-27b")
+			}, "qwen3-27b", "Bearer client-key", "client-x", "max_tokens", "max_completion_tokens"},
+		{"own key wins over client credentials", Options{Model: "m", APIKey: "sk-sum", MaxTokens: 100},
+			func(ctx context.Context) context.Context {
+				h := http.Header{}
+				h.Set("Authorization", "Bearer client-key")
+				return WithCredentials(ctx, h)
+			}, "m", "Bearer sk-sum", "", "max_tokens", "max_completion_tokens"},
+		{"no credentials", Options{Model: "m", MaxTokens: 100, Dialect: "vllm"}, nil, "m", "", "", "max_tokens", "max_completion_tokens"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ep := newEndpoint(t, nil)
+			tc.opt.URL = ep.URL + "/v1/"
+			c := New(ep.Client(), tc.opt)
+			ctx := context.Background()
+			if tc.ctx != nil {
+				ctx = tc.ctx(ctx)
+			}
+			got, err := c.Summarize(ctx, agentHead(t, 2, 100), "")
+			if err != nil || got != "## Goal\nsummary 1" {
+				t.Fatalf("%q %v", got, err)
+			}
+			reqs := ep.requests()
+			if len(reqs) != 1 {
+				t.Fatalf("%d requests", len(reqs))
+			}
+			r := reqs[0]
+			if r.Path != "/v1/chat/completions" {
+				t.Errorf("path %s", r.Path)
+			}
+			if r.Body["model"] != tc.wantModel || r.Body["stream"] != false {
+				t.Errorf("model %v stream %v", r.Body["model"], r.Body["stream"])
+			}
+			if r.Body[tc.wantMax] != float64(tc.opt.MaxTokens) {
+				t.Errorf("%s = %v", tc.wantMax, r.Body[tc.wantMax])
+			}
+			if _, ok := r.Body[tc.absentMax]; ok {
+				t.Errorf("%s sent", tc.absentMax)
+			}
+			if got := r.Header.Get("Authorization"); got != tc.wantAuth {
+				t.Errorf("Authorization %q", got)
+			}
+			if got := r.Header.Get("X-Api-Key"); got != tc.wantAPIKey {
+				t.Errorf("X-Api-Key %q", got)
+			}
+			if r.Header.Get("Cookie") != "" {
+				t.Error("a non-credential header was forwarded")
+			}
+		})
+	}
+}
+
+// The prompt: the structured resume instructions, the transcript with tool
+// names, arguments and cut results, the previous summary folded.
+func TestPrompt(t *testing.T) {
+	ep := newEndpoint(t, nil)
+	c := New(ep.Client(), Options{URL: ep.URL + "/v1", Model: "m"})
+	h := agentHead(t, 2, 50000)
+	if _, err := c.Summarize(context.Background(), h, "## Goal\nearlier summary"); err != nil {
+		t.Fatal(err)
+	}
+	r := ep.requests()[0]
+	sys := r.Body["messages"].([]any)[0].(map[string]any)["content"].(string)
+	for _, want := range []string{"## Goal", "## Decisions and constraints", "## Files and key facts", "## Commands run and outcomes", "## Errors still open", "## Next step", "Do not invent"} {
+		if !strings.Contains(sys, want) {
+			t.Errorf("system prompt lacks %q", want)
+		}
+	}
+	for _, want := range []string{
+		"<previous_summary>\n## Goal\nearlier summary\n</previous_summary>",
+		"[user]\nadd a retry to fetch_rows in store.py",
+		`(calls bash [call_0] with {"cmd":"cat file0.py"})`,
+		"[tool result for call_1]\noutput 1",
+		"bytes omitted ...]",
+	} {
+		if !strings.Contains(r.User, want) {
+			t.Errorf("user message lacks %q", want)
+		}
+	}
+	if len(r.User) > 2*maxToolOutput+4000 {
+		t.Errorf("long tool outputs not cut: %d bytes", len(r.User))
+	}
+}
+
+// A head over ~60% of the summarizer's window is summarized in chunks,
+// sequentially, each folding the previous answer.
+func TestChunking(t *testing.T) {
+	ep := newEndpoint(t, nil)
+	const window = 8000 // tokens: ≈ 19 KB of prompt per call
+	c := New(ep.Client(), Options{URL: ep.URL + "/v1", Model: "m", MaxTokens: 500, Window: window})
+	h := agentHead(t, 12, 5000) // ≈ 60 KB of transcript
+	got, err := c.Summarize(context.Background(), h, "## Goal\nolder summary")
+	if err != nil {
+		t.Fatal(err)
+	}
+	reqs := ep.requests()
+	if len(reqs) < 3 {
+		t.Fatalf("%d calls, want the head chunked", len(reqs))
+	}
+	if got != fmt.Sprintf("## Goal\nsummary %d", len(reqs)) {
+		t.Errorf("result %q is not the last call's answer", got)
+	}
+	seen := map[string]bool{}
+	for i, r := range reqs {
+		prev := "## Goal\nolder summary"
+		if i > 0 {
+			prev = fmt.Sprintf("## Goal\nsummary %d", i)
+		}
+		if !strings.Contains(r.User, "<previous_summary>\n"+prev+"\n</previous_summary>") {
+			t.Errorf("call %d does not fold %q", i+1, prev)
+		}
+		size := len(r.User) + len(systemPrompt)
+		if size > int(window*windowShare)*bytesPerToken {
+			t.Errorf("call %d: %d bytes over 60%% of the window", i+1, size)
+		}
+		for k := 0; k < 12; k++ {
+			if strings.Contains(r.User, fmt.Sprintf("[tool result for call_%d]\n", k)) {
+				if seen[fmt.Sprint(k)] {
+					t.Errorf("result %d sent twice", k)
+				}
+				seen[fmt.Sprint(k)] = true
+			}
+		}
+	}
+	if len(seen) != 12 {
+		t.Errorf("%d of 12 results sent", len(seen))
+	}
+	// Without a window, one call.
+	ep2 := newEndpoint(t, nil)
+	if _, err := New(ep2.Client(), Options{URL: ep2.URL + "/v1", Model: "m"}).Summarize(context.Background(), h, ""); err != nil || len(ep2.requests()) != 1 {
+		t.Fatalf("unknown window: %d calls, %v", len(ep2.requests()), err)
+	}
+}
+
+func TestErrors(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		handle func(n int, w http.ResponseWriter, r *http.Request)
+		opt    Options
+		check  func(t *testing.T, err error)
+	}{
+		{"non-2xx with envelope", func(_ int, w http.ResponseWriter, _ *http.Request) {
+			w.WriteHeader(http.StatusBadRequest)
+			io.WriteString(w, `{"error":{"message":"Conversation roles must alternate","type":"invalid_request_error"}}`)
+		}, Options{}, func(t *testing.T, err error) {
+			var se *StatusError
+			if !errors.As(err, &se) || se.StatusCode != 400 || se.Message != "Conversation roles must alternate" || !errors.Is(err, ErrStatus) {
+				t.Fatalf("%v", err)
+			}
+		}},
+		{"5xx plain body", func(_ int, w http.ResponseWriter, _ *http.Request) {
+			http.Error(w, "Loading model", http.StatusServiceUnavailable)
+		}, Options{}, func(t *testing.T, err error) {
+			var se *StatusError
+			if !errors.As(err, &se) || se.StatusCode != 503 || se.Message != "Loading model" {
+				t.Fatalf("%v", err)
+			}
+		}},
+		{"empty text", func(_ int, w http.ResponseWriter, _ *http.Request) { answer(w, "  \n") }, Options{}, func(t *testing.T, err error) {
+			if !errors.Is(err, ErrEmptySummary) {
+				t.Fatalf("%v", err)
+			}
+		}},
+		{"no choices", func(_ int, w http.ResponseWriter, _ *http.Request) { io.WriteString(w, `{"choices":[]}`) }, Options{}, func(t *testing.T, err error) {
+			if !errors.Is(err, ErrBadResponse) {
+				t.Fatalf("%v", err)
+			}
+		}},
+		{"not json", func(_ int, w http.ResponseWriter, _ *http.Request) { io.WriteString(w, `<html>`) }, Options{}, func(t *testing.T, err error) {
+			if !errors.Is(err, ErrBadResponse) {
+				t.Fatalf("%v", err)
+			}
+		}},
+		{"timeout", func(_ int, w http.ResponseWriter, r *http.Request) {
+			select {
+			case <-r.Context().Done():
+			case <-time.After(5 * time.Second):
+			}
+		}, Options{Timeout: 50 * time.Millisecond}, func(t *testing.T, err error) {
+			if !errors.Is(err, context.DeadlineExceeded) {
+				t.Fatalf("%v", err)
+			}
+		}},
+		{"no model", nil, Options{Model: "-"}, func(t *testing.T, err error) {
+			if !errors.Is(err, ErrNoModel) {
+				t.Fatalf("%v", err)
+			}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ep := newEndpoint(t, tc.handle)
+			opt := tc.opt
+			opt.URL = ep.URL + "/v1"
+			if opt.Model == "-" {
+				opt.Model = ""
+			} else {
+				opt.Model = "m"
+			}
+			start := time.Now()
+			_, err := New(ep.Client(), opt).Summarize(context.Background(), agentHead(t, 1, 10), "")
+			if err == nil {
+				t.Fatal("no error")
+			}
+			tc.check(t, err)
+			if time.Since(start) > 3*time.Second {
+				t.Error("timeout not applied")
+			}
+		})
+	}
+}
+
+// Parts: images are never sent, text parts are.
+func TestRenderMedia(t *testing.T) {
+	h := head(t, map[string]any{"role": "user", "content": []any{
+		map[string]any{"type": "text", "text": "see the screenshot"},
+		map[string]any{"type": "image_url", "image_url": map[string]any{"url": "data:image/png;base64," + strings.Repeat("A", 5000)}},
+	}})
+	out := renderMessage(&h[0])
+	if !strings.Contains(out, "see the screenshot") || !strings.Contains(out, "1 image/audio/file part(s) not shown") || strings.Contains(out, "AAAA") {
+		t.Fatalf("%q", out)
+	}
+}
