@@ -108,7 +108,7 @@ func (s *scanner) str(i int) int {
 		// Fast path: eight bytes at a time until a quote, a backslash or a
 		// control character.
 		for j+8 <= n {
-			if m := special(binary.LittleEndian.Uint64(data[j:])); m != 0 {
+			if m := special(binary.LittleEndian.Uint64(data[j : j+8])); m != 0 {
 				j += bits.TrailingZeros64(m) >> 3
 				goto stop
 			}
@@ -250,13 +250,18 @@ func (s *scanner) key(i int) int {
 	return s.colon(i)
 }
 
-// colon expects optional whitespace, ':' and optional whitespace.
+// colon expects optional whitespace, ':' and optional whitespace, and
+// returns the index of the value, which is always inside data (callers look
+// at data[v] to dispatch on the value's type).
 func (s *scanner) colon(i int) int {
 	i = s.ws(i)
 	if i >= len(s.data) || s.data[i] != ':' {
 		return s.unexpected(i, "after object key")
 	}
-	return s.ws(i + 1)
+	if i = s.ws(i + 1); i >= len(s.data) {
+		return s.unexpected(i, "where a value was expected")
+	}
+	return i
 }
 
 // skip validates the value at i (its first byte; whitespace already skipped)
