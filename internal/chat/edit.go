@@ -118,7 +118,8 @@ func members(raw []byte) (list []member, open, close int, ok bool) {
 
 // WithContentText returns a copy of m whose "content" value is the JSON
 // string text (added when m has no content). Every other member keeps its
-// bytes and order; the view is decoded again and the digest cleared.
+// bytes and order; the view is decoded again and the digest cleared. A
+// message whose Raw is not a JSON object is returned as is.
 func WithContentText(m Message, text string) Message {
 	list, _, close, ok := members(m.Raw)
 	if !ok {

@@ -195,7 +195,11 @@ func checkRequest(t *testing.T, r *Request, body []byte, want expected) {
 			} else {
 				dm["tool_calls"] = calls[1:]
 			}
-			if !reflect.DeepEqual(dv, any(dm)) || !reflect.DeepEqual(d.ToolCalls, m.ToolCalls[1:len(m.ToolCalls):len(m.ToolCalls)]) && len(m.ToolCalls) > 1 {
+			wantCalls := m.ToolCalls[1:]
+			if len(wantCalls) == 0 {
+				wantCalls = nil
+			}
+			if !reflect.DeepEqual(dv, any(dm)) || !reflect.DeepEqual(d.ToolCalls, wantCalls) {
 				t.Fatalf("DropToolCalls: %s -> %s", m.Raw, d.Raw)
 			}
 		}
@@ -218,7 +222,9 @@ func checkRequest(t *testing.T, r *Request, body []byte, want expected) {
 	if r.Unchanged(r.Messages) != (r.UIOnlyRemoved == 0 && !r.stripped) {
 		t.Fatalf("Unchanged = %v with %d removed, stripped %v", r.Unchanged(r.Messages), r.UIOnlyRemoved, r.stripped)
 	}
-	_ = body
+	if r.Unchanged(r.Messages) && !bytes.Equal(r.Forward(r.Messages, nil), body) {
+		t.Fatal("Forward of an unchanged request is not the body")
+	}
 }
 
 func checkView(t *testing.T, m Message, wm map[string]any) {

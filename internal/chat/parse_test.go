@@ -2,10 +2,14 @@ package chat
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"reflect"
+	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/compactproxy/compactproxy/internal/chat/chattest"
 )
 
 func TestParseErrors(t *testing.T) {
@@ -350,5 +354,69 @@ func TestUnchanged(t *testing.T) {
 	}
 	if (&Request{}).Unchanged(nil) {
 		t.Fatal("zero Request Unchanged")
+	}
+}
+
+// TestParseDepthLimit checks the nesting limit against json.Valid at the
+// boundary, in each place the parser walks with its own code.
+func TestParseDepthLimit(t *testing.T) {
+	places := []struct {
+		name        string
+		prefix, end string
+		depth       int // containers around the hole
+	}{
+		{"top-level value", `{"messages":[],"x":`, `}`, 1},
+		{"message value", `{"messages":[{"role":"user","x":`, `}]}`, 3},
+		{"content parts", `{"messages":[{"role":"user","content":[`, `]}]}`, 4},
+		{"content part value", `{"messages":[{"role":"user","content":[{"type":"text","x":`, `}]}]}`, 5},
+		{"tool call value", `{"messages":[{"role":"assistant","tool_calls":[{"id":"a","x":`, `}]}]}`, 5},
+		{"function value", `{"messages":[{"role":"assistant","tool_calls":[{"id":"a","function":{"name":"f","x":`, `}}]}]}`, 6},
+		{"stream_options value", `{"messages":[],"stream_options":{"include_usage":`, `}}`, 2},
+	}
+	for _, p := range places {
+		for _, extra := range []int{-1, 0, 1} {
+			n := maxDepth - p.depth + extra
+			body := p.prefix + strings.Repeat("[", n) + strings.Repeat("]", n) + p.end
+			t.Run(p.name+"/"+strconv.Itoa(extra), func(t *testing.T) {
+				_, err := Parse([]byte(body))
+				if valid := json.Valid([]byte(body)); (err == nil) != valid {
+					t.Fatalf("Parse err = %v, json.Valid = %v", err, valid)
+				}
+				if (err == nil) != (extra <= 0) {
+					t.Fatalf("depth %d: err = %v", p.depth+n, err)
+				}
+			})
+		}
+	}
+}
+
+// TestParseAgentBody parses the benchmark bodies: the view agrees with the
+// generator, and an unchanged request is forwarded as is and rebuilt byte
+// for byte.
+func TestParseAgentBody(t *testing.T) {
+	for _, size := range []int{16 << 10, 1 << 20} {
+		t.Run(strconv.Itoa(size), func(t *testing.T) {
+			body := chattest.AgentBody(size, true)
+			r, err := Parse(body)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !r.Stream || r.Model == "" || r.Total != len(r.Messages) || r.Messages[len(r.Messages)-1].Role != "tool" {
+				t.Fatalf("request %q stream %v total %d", r.Model, r.Stream, r.Total)
+			}
+			calls := 0
+			for _, m := range r.Messages {
+				calls += len(m.ToolCalls)
+				if m.Role == "tool" && (!m.HasToolCallID || !strings.HasPrefix(m.ToolCallID, "call_") || m.TextBytes != len(Text(m))) {
+					t.Fatalf("tool message %d: %+v", m.Index, m)
+				}
+			}
+			if calls == 0 || !r.Unchanged(r.Messages) {
+				t.Fatalf("%d calls, unchanged %v", calls, r.Unchanged(r.Messages))
+			}
+			if out := r.Build(r.Messages, nil); !bytes.Equal(out, body) {
+				t.Fatal("Build of an unchanged compact body differs")
+			}
+		})
 	}
 }
