@@ -19,6 +19,7 @@ func (s *Server) compactionConfig() compaction.Config {
 		MinInterval:          c.MinInterval,
 		SummarizerEnabled:    c.Summarizer.Enabled,
 		Shadow:               c.Mode == "shadow",
+		SummaryTokens:        c.Summarizer.MaxTokens,
 	}
 }
 
