@@ -365,7 +365,8 @@ func freeAddr(t *testing.T) string {
 // startProxy runs the binary configured by environment alone, in an empty
 // working directory (so no ./configs/compactproxy.yaml is picked up), and
 // waits for /healthz.
-func startProxy(t *testing.T, bin, upstream string) *proxyProc {
+// extra env entries (KEY=value) come last and win.
+func startProxy(t *testing.T, bin, upstream string, extra ...string) *proxyProc {
 	t.Helper()
 	addr := freeAddr(t)
 	env := []string{}
@@ -381,6 +382,7 @@ func startProxy(t *testing.T, bin, upstream string) *proxyProc {
 		"COMPACTPROXY_SHUTDOWN_TIMEOUT=5s",
 		"COMPACTPROXY_LOG_LEVEL=info",
 	)
+	env = append(env, extra...)
 	p := &proxyProc{url: "http://" + addr, log: &lockedBuffer{}, done: make(chan error, 1)}
 	p.cmd = exec.Command(bin)
 	p.cmd.Dir = t.TempDir()
