@@ -1,0 +1,32 @@
+// Package purity keeps the pure core pure: internal/chat, pairing, anchor
+// and compaction import the standard library and each other only (CRAFT
+// habit 1), so they stay testable with plain tables and fuzzing.
+package purity
+
+import (
+	"os/exec"
+	"strings"
+	"testing"
+)
+
+const module = "github.com/compactproxy/compactproxy/"
+
+var pure = []string{"internal/chat", "internal/pairing", "internal/anchor", "internal/compaction"}
+
+func TestPureCoreImportsOnlyStdAndSiblings(t *testing.T) {
+	allowed := map[string]bool{}
+	for _, p := range pure {
+		allowed[module+p] = true
+	}
+	for _, p := range pure {
+		out, err := exec.Command("go", "list", "-deps", "-f", "{{if not .Standard}}{{.ImportPath}}{{end}}", "../../"+p).CombinedOutput()
+		if err != nil {
+			t.Fatalf("go list %s: %v\n%s", p, err, out)
+		}
+		for _, dep := range strings.Fields(string(out)) {
+			if !allowed[dep] {
+				t.Errorf("%s depends on %s: the pure core may import only the standard library and %v", p, dep, pure)
+			}
+		}
+	}
+}
