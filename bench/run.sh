@@ -13,7 +13,9 @@
 #
 # Knobs (env): BENCH_ROUNDS (5), BENCH_SCALE (1: multiplies request counts),
 # BENCH_CONCURRENCY (1,32), BENCH_OUT (bench/results), BENCH_LATENCY (20ms),
-# BENCH_BUDGET (270s: no round starts that would end after it).
+# BENCH_BUDGET (270s: no round starts that would end after it),
+# BENCH_CONVERSATIONS (same: identical requests, one conversation; per-worker:
+# each concurrent worker sends its own X-Compactproxy-Conversation).
 # Bounded: every wait has a timeout, loadgen gives up on a stuck target
 # (-cell-timeout) and stops starting rounds past the budget.
 set -euo pipefail
@@ -27,6 +29,7 @@ conc="${BENCH_CONCURRENCY:-1,32}"
 out="${BENCH_OUT:-$root/bench/results}"
 latency="${BENCH_LATENCY:-20ms}"
 budget="${BENCH_BUDGET:-270s}"
+conversations="${BENCH_CONVERSATIONS:-same}"
 
 work="$(mktemp -d "${TMPDIR:-/tmp}/compactproxy-bench.XXXXXX")"
 pids=()
@@ -115,7 +118,7 @@ set +e
 timeout --kill-after=10s 600s "$work/loadgen" \
 	-direct "http://$mock/v1" -bare "http://$bare/v1" -bare-pid "$bare_pid" \
 	"${compact_args[@]}" \
-	-clk-tck "$(getconf CLK_TCK)" -rounds "$rounds" -scale "$scale" -concurrency "$conc" -budget "$budget" \
+	-clk-tck "$(getconf CLK_TCK)" -rounds "$rounds" -scale "$scale" -concurrency "$conc" -budget "$budget" -conversations "$conversations" \
 	-out "$out" -note "$note"
 rc=$?
 set -e

@@ -97,6 +97,7 @@ func main() {
 	budget := flag.Duration("budget", 270*time.Second, "stop starting new rounds when the next one would end after this (the rounds done are reported)")
 	out := flag.String("out", "", "directory for results (JSON and text); empty: none")
 	note := flag.String("note", "", "free text recorded with the results (e.g. why compactproxy is absent)")
+	convs := flag.String("conversations", "same", `"same": every request is the same conversation (identical bytes to every target, the worst case for per-conversation state); "per-worker": each worker sends X-Compactproxy-Conversation: bench-wN (N agents at concurrency N; the header is ignored by the mock and passed by the bare proxy)`)
 	freePort := flag.Bool("freeport", false, "print a free 127.0.0.1 port and exit")
 	flag.Parse()
 
@@ -108,6 +109,13 @@ func main() {
 		fmt.Println(l.Addr().(*net.TCPAddr).Port)
 		l.Close()
 		return
+	}
+	if *convs != "same" && *convs != "per-worker" {
+		fatalf("-conversations: want same or per-worker, got %q", *convs)
+	}
+	perWorker = *convs == "per-worker"
+	if perWorker {
+		*note = strings.TrimPrefix(*note+"; conversations per worker (X-Compactproxy-Conversation)", "; ")
 	}
 	if *direct == "" || *bare == "" {
 		fatalf("-direct and -bare are required")
@@ -287,7 +295,7 @@ func runCell(t *target, s *scenario, c, n int, timeout time.Duration, clkTck int
 				if i >= n || ctx.Err() != nil {
 					return
 				}
-				samples[i] = doRequest(ctx, t, s)
+				samples[i] = doRequest(ctx, t, s, w)
 			}
 		}()
 	}
@@ -320,13 +328,19 @@ func runCell(t *target, s *scenario, c, n int, timeout time.Duration, clkTck int
 
 var errNoDone = errors.New("stream ended without data: [DONE]")
 
-func doRequest(ctx context.Context, t *target, s *scenario) sample {
+// perWorker: each worker is its own conversation (-conversations per-worker).
+var perWorker bool
+
+func doRequest(ctx context.Context, t *target, s *scenario, worker int) sample {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, t.Base+"/chat/completions", bytes.NewReader(s.body))
 	if err != nil {
 		return sample{err: err}
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Authorization", "Bearer sk-bench-not-a-real-key")
+	if perWorker {
+		req.Header.Set("X-Compactproxy-Conversation", "bench-w"+strconv.Itoa(worker))
+	}
 	start := time.Now()
 	resp, err := t.client.Do(req)
 	if err != nil {

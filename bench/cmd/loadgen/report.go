@@ -149,7 +149,11 @@ func buildReport(scenarios []*scenario, targets []*target, cs []int, cells map[k
 				pass = ch.Ratio >= limit
 			}
 			ch.Status = map[bool]string{true: "PASS", false: "MISS"}[pass]
-			ch.Detail = fmt.Sprintf("compactproxy %.3g %s / bare %.3g %s", ch.Compact, unit, ch.Bare, unit)
+			num := "%.2f"
+			if unit != "ms" {
+				num = "%.1f"
+			}
+			ch.Detail = fmt.Sprintf("compactproxy "+num+" %s / bare "+num+" %s", ch.Compact, unit, ch.Bare, unit)
 			if x.Errors > 0 {
 				ch.Detail += fmt.Sprintf(" (compactproxy had %d errors)", x.Errors)
 			}
