@@ -2,11 +2,15 @@ package compaction
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
+	"unicode/utf16"
+	"unicode/utf8"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/chat"
@@ -709,5 +713,93 @@ func TestTrimmable(t *testing.T) {
 	}
 	if _, ok := trimmed(msgs[2], 2048); ok {
 		t.Error("a user message was excerpted")
+	}
+}
+
+// excerptJSON works on the JSON literal: its head and tail are the
+// decoded text's, and the marker counts exactly the characters in between.
+func TestExcerptJSON(t *testing.T) {
+	var texts []string
+	for i := 0; i < 50; i++ {
+		var b strings.Builder
+		for j := 0; b.Len() < 3000+i*397; j++ {
+			switch (i + j) % 7 {
+			case 0:
+				b.WriteString("line with \"quotes\" and \\backslashes\\\n")
+			case 1:
+				b.WriteString("héllo wörld ✓ 😀 ")
+			case 2:
+				b.WriteString("\t<tag attr='x'>&amp;</tag>\x01\n")
+			default:
+				fmt.Fprintf(&b, "plain %d ", j)
+			}
+		}
+		texts = append(texts, b.String())
+	}
+	for k, text := range texts {
+		lit, _ := json.Marshal(text)
+		if k%2 == 1 { // escape everything non-ASCII as \uXXXX (surrogate pairs for emoji)
+			lit = asciiJSON(text)
+			var back string
+			if err := json.Unmarshal(lit, &back); err != nil || back != text {
+				t.Fatalf("bad literal: %v", err)
+			}
+		}
+		out, ok := excerptJSON(lit, 1500)
+		if !ok {
+			t.Fatalf("text %d not excerpted", k)
+		}
+		i := strings.Index(out, "\n[... ")
+		j := strings.Index(out, " characters elided by compactproxy ...]\n")
+		head, tail := out[:i], out[j+len(" characters elided by compactproxy ...]\n"):]
+		if !strings.HasPrefix(text, head) || !strings.HasSuffix(text, tail) || !utf8.ValidString(out) {
+			t.Fatalf("text %d: head/tail are not the text's", k)
+		}
+		n, _ := strconv.Atoi(strings.ReplaceAll(out[i+len("\n[... "):j], ",", ""))
+		if want := utf8.RuneCountInString(text) - utf8.RuneCountInString(head) - utf8.RuneCountInString(tail); n != want {
+			t.Fatalf("text %d: marker says %d characters, %d were elided", k, n, want)
+		}
+		if len(out) > 1500+200 {
+			t.Fatalf("text %d: excerpt %d bytes", k, len(out))
+		}
+	}
+}
+
+// asciiJSON encodes s as a JSON string with every non-ASCII character
+// escaped (surrogate pairs beyond the BMP), as some clients send.
+func asciiJSON(s string) []byte {
+	b := []byte{'"'}
+	for _, r := range s {
+		switch {
+		case r == '"' || r == '\\':
+			b = append(b, '\\', byte(r))
+		case r == '\n':
+			b = append(b, `\n`...)
+		case r < 0x20 || r > 0x7e:
+			if r > 0xffff {
+				r1, r2 := utf16.EncodeRune(r)
+				b = fmt.Appendf(b, `\u%04x\u%04x`, r1, r2)
+			} else {
+				b = fmt.Appendf(b, `\u%04x`, r)
+			}
+		default:
+			b = append(b, byte(r))
+		}
+	}
+	return append(b, '"')
+}
+
+func TestUnescape(t *testing.T) {
+	for _, lit := range []string{
+		`"plain"`, `"a\nb\tc\"d\\e\/f\b\f\r"`, `"\u00e9\u2713\ud83d\ude00"`, `"lone \ud800 high"`, `"lone \ude00 low"`,
+		`"\ud800\u0041"`, `"end \ud83d"`, string(asciiJSON("héllo 😀 \x01 \"q\"\n")),
+	} {
+		var want string
+		if err := json.Unmarshal([]byte(lit), &want); err != nil {
+			t.Fatalf("%s: %v", lit, err)
+		}
+		if got := unescape([]byte(lit[1 : len(lit)-1])); got != want {
+			t.Errorf("unescape(%s) = %q, want %q", lit, got, want)
+		}
 	}
 }

@@ -1,8 +1,10 @@
 package compaction
 
 import (
+	"bytes"
 	"strconv"
 	"strings"
+	"unicode/utf16"
 	"unicode/utf8"
 
 	"github.com/compactproxy/compactproxy/internal/chat"
@@ -122,11 +124,195 @@ func trimmed(m chat.Message, keep int) (chat.Message, bool) {
 	if !trimmable(&m) {
 		return m, false
 	}
-	text, ok := excerpt(chat.Text(m), keep)
+	var text string
+	var ok bool
+	if m.ContentIsString {
+		text, ok = excerptJSON(m.Content, keep)
+	} else {
+		text, ok = excerpt(chat.Text(m), keep)
+	}
 	if !ok {
 		return m, false
 	}
 	return chat.WithContentText(m, text), true
+}
+
+// excerptJSON is excerpt for a JSON string literal (the raw content of a
+// tool message) without decoding all of it: on the trim path a stored trim
+// is re-applied to every later request, so the cost is per request, and
+// the elided middle is only scanned (to count its characters), never
+// decoded. Positions are measured in the literal's bytes (escapes counted
+// as written), cuts never split an escape sequence, a surrogate pair or a
+// UTF-8 sequence. It is a pure function of (lit, keep).
+func excerptJSON(lit []byte, keep int) (string, bool) {
+	if len(lit) < 2 || lit[0] != '"' || lit[len(lit)-1] != '"' {
+		return "", false
+	}
+	body := lit[1 : len(lit)-1]
+	if keep < 16 {
+		keep = 16
+	}
+	if len(body) <= keep+len(markerFor(len(body))) {
+		return "", false
+	}
+	headWant := keep * 2 / 3
+	tailWant := len(body) - (keep - headWant)
+	// h: the last character start at or before headWant.
+	h := 0
+	for p := 0; p <= headWant && p < len(body); p += unitLen(body, p) {
+		h = p
+	}
+	// t: the first character start at or after tailWant; elided counts the
+	// characters in [h, t). Plain runs are counted with utf8.RuneCount,
+	// escapes one by one.
+	t, elided := -1, 0
+	for p := h; p < len(body); {
+		e := len(body)
+		if j := bytes.IndexByte(body[p:], '\\'); j >= 0 {
+			e = p + j
+		}
+		if e > tailWant {
+			q := max(tailWant, p)
+			for q < e && !utf8.RuneStart(body[q]) {
+				q++
+			}
+			if q < e || e == len(body) {
+				t = q
+				elided += utf8.RuneCount(body[p:q])
+				break
+			}
+		}
+		elided += utf8.RuneCount(body[p:e])
+		if e == len(body) {
+			break
+		}
+		if e >= tailWant {
+			t = e
+			break
+		}
+		elided++
+		p = e + unitLen(body, e)
+	}
+	if h < 0 || t < 0 || t <= h {
+		return "", false
+	}
+	head, tail := unescape(body[:h]), unescape(body[t:])
+	// Move the cuts to line breaks when one is near, as excerpt does.
+	if nl := strings.LastIndexByte(head, '\n'); nl >= 0 && nl >= len(head)*3/4 {
+		elided += utf8.RuneCountInString(head[nl+1:])
+		head = head[:nl+1]
+	}
+	if nl := strings.IndexByte(tail, '\n'); nl >= 0 && nl < len(tail)/4 {
+		elided += utf8.RuneCountInString(tail[:nl+1])
+		tail = tail[nl+1:]
+	}
+	out := head + markerFor(elided) + tail
+	if len(out) >= len(body) {
+		return "", false
+	}
+	return out, true
+}
+
+// unitLen is the length of the character starting at p in a JSON string
+// body: an escape (a \uD800-\uDBFF escape followed by a low surrogate
+// escape counts as one), else a UTF-8 sequence.
+func unitLen(b []byte, p int) int {
+	if b[p] == '\\' {
+		if p+1 < len(b) && b[p+1] == 'u' && p+6 <= len(b) {
+			if isHighSurrogate(b[p+2:p+6]) && p+12 <= len(b) && b[p+6] == '\\' && b[p+7] == 'u' {
+				return 12
+			}
+			return 6
+		}
+		return min(2, len(b)-p)
+	}
+	n := 1
+	for p+n < len(b) && !utf8.RuneStart(b[p+n]) {
+		n++
+	}
+	return n
+}
+
+// isHighSurrogate tells whether four hex digits are in D800–DBFF.
+func isHighSurrogate(hex []byte) bool {
+	return (hex[0] == 'd' || hex[0] == 'D') && strings.IndexByte("89abAB", hex[1]) >= 0
+}
+
+// unescape decodes a JSON string body that the parser already validated
+// (the pieces excerptJSON cuts start and end on character boundaries). A
+// lone surrogate becomes U+FFFD, as with encoding/json.
+func unescape(b []byte) string {
+	if bytes.IndexByte(b, '\\') < 0 {
+		return string(b)
+	}
+	out := make([]byte, 0, len(b))
+	for i := 0; i < len(b); {
+		j := bytes.IndexByte(b[i:], '\\')
+		if j < 0 {
+			out = append(out, b[i:]...)
+			break
+		}
+		out = append(out, b[i:i+j]...)
+		i += j
+		if i+1 >= len(b) {
+			break
+		}
+		c := b[i+1]
+		i += 2
+		switch c {
+		case 'n':
+			out = append(out, '\n')
+		case 't':
+			out = append(out, '\t')
+		case 'r':
+			out = append(out, '\r')
+		case 'b':
+			out = append(out, '\b')
+		case 'f':
+			out = append(out, '\f')
+		case 'u':
+			r := hex4(b[i:])
+			i += 4
+			if utf16.IsSurrogate(r) {
+				r2 := rune(-1)
+				if i+6 <= len(b) && b[i] == '\\' && b[i+1] == 'u' {
+					r2 = hex4(b[i+2:])
+				}
+				if d := utf16.DecodeRune(r, r2); d != utf8.RuneError {
+					r = d
+					i += 6
+				} else {
+					r = utf8.RuneError
+				}
+			}
+			out = utf8.AppendRune(out, r)
+		default: // " \ /
+			out = append(out, c)
+		}
+	}
+	return string(out)
+}
+
+// hex4 decodes four hex digits (-1 when b is short or not hex).
+func hex4(b []byte) rune {
+	if len(b) < 4 {
+		return -1
+	}
+	var r rune
+	for _, c := range b[:4] {
+		switch {
+		case c >= '0' && c <= '9':
+			c -= '0'
+		case c >= 'a' && c <= 'f':
+			c -= 'a' - 10
+		case c >= 'A' && c <= 'F':
+			c -= 'A' - 10
+		default:
+			return -1
+		}
+		r = r<<4 | rune(c)
+	}
+	return r
 }
 
 // summaryText is the content of the summary message.

@@ -1,0 +1,57 @@
+package compaction
+
+import (
+	"encoding/json"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/compactproxy/compactproxy/internal/anchor"
+)
+
+// The engine is pure: standard library and the sibling pure packages only.
+func TestPureDependencies(t *testing.T) {
+	out, err := exec.Command("go", "list", "-deps", ".").Output()
+	if err != nil {
+		t.Skipf("go list: %v", err)
+	}
+	allowed := map[string]bool{
+		"github.com/compactproxy/compactproxy/internal/compaction": true,
+		"github.com/compactproxy/compactproxy/internal/chat":       true,
+		"github.com/compactproxy/compactproxy/internal/pairing":    true,
+		"github.com/compactproxy/compactproxy/internal/anchor":     true,
+	}
+	for _, p := range strings.Fields(string(out)) {
+		first := strings.SplitN(p, "/", 2)[0]
+		if !strings.Contains(first, ".") || allowed[p] {
+			continue // standard library
+		}
+		t.Errorf("compaction depends on %s", p)
+	}
+}
+
+// A conversation's state, without the summary text and the trim records,
+// stays within DESIGN's 2 KiB.
+func TestStateSize(t *testing.T) {
+	s := State{
+		Summary:    &Summary{Cut: 1 << 20, Lead: 3, Ack: true, Ask: 1 << 19, AskInline: true},
+		Drop:       &Drop{From: 1 << 19, To: 1 << 20},
+		Latched:    true,
+		LatchCount: 1 << 20, LastAttempt: time.Now(), LastAttemptCount: 1 << 20,
+	}
+	for i := 0; i < MaxAnchors+2; i++ {
+		s.AddAnchor(anchor.Anchor{PrefixLen: 1<<20 + i, Input: 1 << 30, Output: 1 << 20, At: time.Now().Unix()})
+	}
+	for i := range s.Summary.Head {
+		s.Summary.Head[i], s.Drop.Prefix[i] = 0xff, 0xff
+	}
+	data, err := json.Marshal(s) // a verbose encoding: digests as arrays of numbers
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(data) > 2048 {
+		t.Fatalf("state is %d bytes: %s", len(data), data)
+	}
+	t.Logf("state without summary text and trims: %d bytes as JSON", len(data))
+}
