@@ -2,12 +2,10 @@ package proxy
 
 import (
 	"encoding/json"
-	"errors"
 	"net/http"
 	"regexp"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
-	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
 	"github.com/go-chi/chi/v5"
 	"go.uber.org/zap"
@@ -29,27 +27,8 @@ type previewResponse struct {
 // runs (and stores) a summary as a real request would.
 func (s *Server) handlePreview(w http.ResponseWriter, r *http.Request) {
 	ri := infoFrom(r.Context())
-	if !s.auth.allow(r.Header) {
-		writeError(w, http.StatusUnauthorized, "invalid_request_error", "invalid_api_key", "", "compactproxy: a valid API key for this proxy is required (Authorization: Bearer <key>)")
-		return
-	}
-	body, err := readBody(r, s.cfg.Limits.MaxBodyBytes)
-	if err != nil {
-		if errors.Is(err, errBodyTooLarge) {
-			writeError(w, http.StatusRequestEntityTooLarge, "invalid_request_error", "request_too_large", "", "request body exceeds the proxy's limit (limits.max_body_bytes)")
-			return
-		}
-		ri.status = 499
-		return
-	}
-	req, err := chat.Parse(body)
-	if err != nil {
-		var pe *chat.ParseError
-		if errors.As(err, &pe) {
-			writeInvalid(w, pe.Param, pe.Message)
-		} else {
-			writeInvalid(w, "", err.Error())
-		}
+	req, ok := s.readChatRequest(w, r)
+	if !ok {
 		return
 	}
 	ci := &chatInfo{model: req.Model, messages: len(req.Messages), action: "none"}
@@ -122,7 +101,7 @@ var convIDPattern = regexp.MustCompile(`^[0-9a-f]{32}$`)
 // tenant only; another tenant's id of the same value is a different key.
 func (s *Server) handleForget(w http.ResponseWriter, r *http.Request) {
 	if !s.auth.allow(r.Header) {
-		writeError(w, http.StatusUnauthorized, "invalid_request_error", "invalid_api_key", "", "compactproxy: a valid API key for this proxy is required (Authorization: Bearer <key>)")
+		writeUnauthorized(w)
 		return
 	}
 	id := chi.URLParam(r, "id")

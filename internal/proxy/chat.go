@@ -42,6 +42,44 @@ func readBody(r *http.Request, limit int64) ([]byte, error) {
 	return b.Bytes(), nil
 }
 
+// writeUnauthorized answers a client without a key this proxy accepts.
+func writeUnauthorized(w http.ResponseWriter) {
+	writeError(w, http.StatusUnauthorized, "invalid_request_error", "invalid_api_key", "",
+		"compactproxy: a valid API key for this proxy is required (Authorization: Bearer <key>)")
+}
+
+// readChatRequest authorizes, reads and parses a chat-completions body
+// (chat and preview). It answers the client itself and returns false on
+// any problem: 401, 413, 400 in OpenAI's envelope, or 499 for a client that
+// went away mid-upload.
+func (s *Server) readChatRequest(w http.ResponseWriter, r *http.Request) (*chat.Request, bool) {
+	if !s.auth.allow(r.Header) {
+		writeUnauthorized(w)
+		return nil, false
+	}
+	body, err := readBody(r, s.cfg.Limits.MaxBodyBytes)
+	if err != nil {
+		if errors.Is(err, errBodyTooLarge) {
+			writeError(w, http.StatusRequestEntityTooLarge, "invalid_request_error", "request_too_large", "",
+				fmt.Sprintf("request body exceeds the proxy's limit of %d bytes (limits.max_body_bytes)", s.cfg.Limits.MaxBodyBytes))
+			return nil, false
+		}
+		infoFrom(r.Context()).status = 499
+		return nil, false
+	}
+	req, err := chat.Parse(body)
+	if err != nil {
+		var pe *chat.ParseError
+		if errors.As(err, &pe) {
+			writeInvalid(w, pe.Param, pe.Message)
+		} else {
+			writeInvalid(w, "", err.Error())
+		}
+		return nil, false
+	}
+	return req, true
+}
+
 // hopHeaders are not forwarded (RFC 9110 § 7.6.1) plus the ones we set.
 var hopHeaders = []string{
 	"Connection", "Proxy-Connection", "Keep-Alive", "Proxy-Authenticate",
@@ -115,28 +153,8 @@ type chatRequest struct {
 func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 	ri := infoFrom(r.Context())
 	start := time.Now()
-	if !s.auth.allow(r.Header) {
-		writeError(w, http.StatusUnauthorized, "invalid_request_error", "invalid_api_key", "", "compactproxy: a valid API key for this proxy is required (Authorization: Bearer <key>)")
-		return
-	}
-	body, err := readBody(r, s.cfg.Limits.MaxBodyBytes)
-	if err != nil {
-		if errors.Is(err, errBodyTooLarge) {
-			writeError(w, http.StatusRequestEntityTooLarge, "invalid_request_error", "request_too_large", "",
-				fmt.Sprintf("request body exceeds the proxy's limit of %d bytes (limits.max_body_bytes)", s.cfg.Limits.MaxBodyBytes))
-			return
-		}
-		ri.status = 499
-		return
-	}
-	req, err := chat.Parse(body)
-	if err != nil {
-		var pe *chat.ParseError
-		if errors.As(err, &pe) {
-			writeInvalid(w, pe.Param, pe.Message)
-			return
-		}
-		writeInvalid(w, "", err.Error())
+	req, ok := s.readChatRequest(w, r)
+	if !ok {
 		return
 	}
 	ci := &chatInfo{model: req.Model, stream: req.Stream, messages: len(req.Messages), action: "none"}

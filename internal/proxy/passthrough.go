@@ -49,7 +49,7 @@ func (s *Server) passthrough() *httputil.ReverseProxy {
 func (s *Server) authorized(h http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if !s.auth.allow(r.Header) {
-			writeError(w, http.StatusUnauthorized, "invalid_request_error", "invalid_api_key", "", "compactproxy: a valid API key for this proxy is required (Authorization: Bearer <key>)")
+			writeUnauthorized(w)
 			return
 		}
 		h.ServeHTTP(w, r)
