@@ -258,6 +258,7 @@ type run struct {
 	excerpts map[[2]int]chat.Message
 	blocks   map[*Summary][]chat.Message
 
+	reapplied map[int]int // the stored trims that matched
 	newTrims, newSum, newDrop, pending bool
 }
 
@@ -312,6 +313,7 @@ func (r *run) compact() Output {
 	out := Output{}
 
 	p := r.reapply()
+	r.reapplied = p.trims
 	view := r.in.Messages
 	if !p.empty() {
 		view = r.view(p)
@@ -444,7 +446,6 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 	if cands := r.trimCandidates(*p, headStart, max(r.tail, headStart)); len(cands) > 0 {
 		var reached bool
 		cur, reached = r.applyTrims(p, cands, target)
-		r.newTrims = true
 		if reached {
 			return cur
 		}
@@ -465,7 +466,6 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 		}
 		if cands := r.trimCandidates(*p, start, r.n-1); len(cands) > 0 {
 			cur, _ = r.applyTrims(p, cands, target)
-			r.newTrims = true
 		}
 	}
 	if cur > budget {
@@ -718,6 +718,14 @@ func (r *run) dropTurns(p *plan, cur, budget, target int) int {
 func (r *run) finish(out Output, p plan, cur int) Output {
 	cfg := r.e.cfg
 	in := r.in
+	// New trims: in the forwarded plan and not re-applied (trims of step 1
+	// that a summary then replaced are not).
+	for i := range p.trims {
+		if _, ok := r.reapplied[i]; !ok {
+			r.newTrims = true
+			break
+		}
+	}
 	fresh := r.newTrims || r.newSum || r.newDrop
 
 	out.Messages = in.Messages

@@ -803,3 +803,18 @@ func TestUnescape(t *testing.T) {
 		}
 	}
 }
+
+// Trims that a summary then replaced are not reported (nor stored).
+func TestSummaryReplacesTrims(t *testing.T) {
+	sum := okSummarizer()
+	s := &session{tb: t, e: New(baseConfig(), sum, newClock()), win: 12000}
+	msgs := parse(t, agentSteps(12, 6000))
+	out := s.step(msgs)
+	checkView(t, msgs, out)
+	if out.Action != ActionSummarized || fmt.Sprint(out.Events.NewActions) != "[summarized]" {
+		t.Fatalf("action %q new %v", out.Action, out.Events.NewActions)
+	}
+	if len(out.State.Trims) != 0 || out.Forwarded >= out.Target {
+		t.Fatalf("trims %v forwarded %d", out.State.Trims, out.Forwarded)
+	}
+}
