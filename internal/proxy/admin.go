@@ -41,6 +41,7 @@ func (s *Server) handlePreview(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
 	identity := s.modelIdentity(req.Model)
 	seed := s.seed(req)
+	_ = s.digests.hash(cr.tenant, cr.forward)
 	convID := conversationID(r, cr.forward)
 	key := storeKey(cr.tenant, convID)
 	window := s.windows.get(req.Model)

@@ -19,16 +19,21 @@ import (
 var errBodyTooLarge = errors.New("proxy: request body too large")
 
 // readBody reads the whole body under limit. Content-Length is checked first
-// so an oversized upload is refused without reading it.
+// so an oversized upload is refused without reading it, and a declared
+// length is read into one exactly-sized buffer (no growth copies of a
+// megabyte body).
 func readBody(r *http.Request, limit int64) ([]byte, error) {
 	if limit > 0 && r.ContentLength > limit {
 		return nil, errBodyTooLarge
 	}
-	var buf []byte
-	if r.ContentLength > 0 {
-		buf = make([]byte, 0, r.ContentLength+1)
+	if n := r.ContentLength; n > 0 {
+		buf := make([]byte, n)
+		if _, err := io.ReadFull(r.Body, buf); err != nil {
+			return nil, err
+		}
+		return buf, nil
 	}
-	b := bytes.NewBuffer(buf)
+	b := bytes.NewBuffer(nil)
 	rd := io.Reader(r.Body)
 	if limit > 0 {
 		rd = io.LimitReader(r.Body, limit+1)

@@ -142,6 +142,9 @@ func (s *Server) prepareChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 	req := cr.req
 	identity := s.modelIdentity(req.Model)
 	seed := s.seed(req)
+	if err := s.digests.hash(cr.tenant, cr.forward); err != nil {
+		s.log.Warn("message digest failed", zap.String("request_id", ri.id), zap.Error(err))
+	}
 	convID := conversationID(r, cr.forward)
 	key := storeKey(cr.tenant, convID)
 	ci.conversation = convID

@@ -21,6 +21,10 @@ import (
 	"go.uber.org/zap"
 )
 
+// digestCacheEntries bounds the message-digest cache (about 100 bytes an
+// entry: ~20 MB at most).
+const digestCacheEntries = 200000
+
 // Server is the proxy. Build it with New, serve Handler, call Start to begin
 // background work (context-window discovery) and Close when done.
 type Server struct {
@@ -42,6 +46,7 @@ type Server struct {
 	calibration  *anchor.Calibration
 	local        anchor.LocalEstimator
 	engine       *compaction.Engine
+	digests      *digestCache
 	// summarizerIsUpstream: the summarizer is the chat upstream itself, so
 	// the client's own credentials may be used for it.
 	summarizerIsUpstream bool
@@ -101,6 +106,7 @@ func New(cfg config.Config, log *zap.Logger, reg *prometheus.Registry) (*Server,
 	s.store = store.NewMemory[compaction.State](cfg.Store.MaxEntries, cfg.Store.TTL)
 	s.calibration = anchor.NewCalibration(1024)
 	s.local = anchor.NewLocalEstimator()
+	s.digests = newDigestCache(digestCacheEntries)
 	s.prepare = s.prepareChat
 	s.recoverOverflow = s.overflow
 	if cfg.Compaction.Enabled {

@@ -1,0 +1,76 @@
+package proxy
+
+import (
+	"bytes"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"testing"
+
+	"github.com/compactproxy/compactproxy/internal/chat/chattest"
+	"github.com/compactproxy/compactproxy/internal/config"
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+)
+
+// BenchmarkChatPath measures the chat path (parse, pairing, digests,
+// estimate, forward, usage record) with an in-process upstream, at 16 KB
+// and 1 MiB, next to "bare": a handler that only reads the body and
+// forwards it, measured in the same run. Report the ratio.
+func BenchmarkChatPath(b *testing.B) {
+	for _, size := range []struct {
+		name string
+		n    int
+	}{{"16KB", 16 << 10}, {"1MiB", 1 << 20}} {
+		body := chattest.AgentBody(size.n, false)
+		up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			io.Copy(io.Discard, r.Body)
+			w.Header().Set("Content-Type", "application/json")
+			io.WriteString(w, okCompletion)
+		}))
+		cfg := testConfig(up.URL)
+		cfg.Upstream.ContextWindow = 1000000
+		p := newBenchProxy(b, cfg)
+		// The floor: read the body and forward it, nothing else.
+		client := &http.Client{Transport: newTransport()}
+		bare := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			in, _ := io.ReadAll(r.Body)
+			resp, err := client.Post(up.URL+"/v1/chat/completions", "application/json", bytes.NewReader(in))
+			if err != nil {
+				w.WriteHeader(502)
+				return
+			}
+			defer resp.Body.Close()
+			w.WriteHeader(resp.StatusCode)
+			io.Copy(w, resp.Body)
+		})
+		for _, target := range []struct {
+			name string
+			h    http.Handler
+		}{{"bare", bare}, {"compactproxy", p}} {
+			b.Run(size.name+"/"+target.name, func(b *testing.B) {
+				b.SetBytes(int64(len(body)))
+				for b.Loop() {
+					req := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", bytes.NewReader(body))
+					req.Header.Set("Authorization", "Bearer k")
+					w := httptest.NewRecorder()
+					target.h.ServeHTTP(w, req)
+					if w.Code != 200 {
+						b.Fatalf("status %d: %s", w.Code, w.Body.String())
+					}
+				}
+			})
+		}
+		up.Close()
+	}
+}
+
+func newBenchProxy(b *testing.B, cfg config.Config) http.Handler {
+	b.Helper()
+	srv, err := New(cfg, zap.NewNop(), prometheus.NewRegistry())
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { srv.Close() })
+	return srv.Handler()
+}
