@@ -74,3 +74,52 @@ func newBenchProxy(b *testing.B, cfg config.Config) http.Handler {
 	b.Cleanup(func() { srv.Close() })
 	return srv.Handler()
 }
+
+// BenchmarkStreamPath is the 16 KB agent request streamed (usage injected
+// and hidden), next to the bare forwarder, in the same run.
+func BenchmarkStreamPath(b *testing.B) {
+	body := chattest.AgentBody(16<<10, true)
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		in, _ := io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		for _, c := range []string{"Hel", "lo", " world"} {
+			io.WriteString(w, `data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"`+c+`"}}]}`+"\n\n")
+			w.(http.Flusher).Flush()
+		}
+		if bytes.Contains(in, []byte(`"include_usage":true`)) {
+			io.WriteString(w, "data: "+usageChunk+"\n\n")
+		}
+		io.WriteString(w, "data: [DONE]\n\n")
+	}))
+	defer up.Close()
+	cfg := testConfig(up.URL)
+	cfg.Upstream.ContextWindow = 1000000
+	p := newBenchProxy(b, cfg)
+	client := &http.Client{Transport: newTransport()}
+	bare := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		in, _ := io.ReadAll(r.Body)
+		resp, err := client.Post(up.URL+"/v1/chat/completions", "application/json", bytes.NewReader(in))
+		if err != nil {
+			w.WriteHeader(502)
+			return
+		}
+		defer resp.Body.Close()
+		w.WriteHeader(resp.StatusCode)
+		io.Copy(w, resp.Body)
+	})
+	for _, target := range []struct {
+		name string
+		h    http.Handler
+	}{{"bare", bare}, {"compactproxy", p}} {
+		b.Run(target.name, func(b *testing.B) {
+			for b.Loop() {
+				req := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", bytes.NewReader(body))
+				w := httptest.NewRecorder()
+				target.h.ServeHTTP(w, req)
+				if w.Code != 200 {
+					b.Fatalf("status %d", w.Code)
+				}
+			}
+		})
+	}
+}

@@ -8,9 +8,14 @@ import (
 	"io"
 	"mime"
 	"net/http"
+	"sync"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
 )
+
+// readerPool recycles the 64 KiB stream readers: one per streamed response
+// would otherwise be a 64 KiB allocation per request.
+var readerPool = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 64<<10) }}
 
 func isEventStream(ct string) bool {
 	mt, _, err := mime.ParseMediaType(ct)
@@ -97,7 +102,9 @@ func usageOnly(data []byte) bool {
 // stream ([DONE]) is written, so the client's next request sees the anchor.
 // With hideUsage, the usage-only chunk the proxy asked for is not relayed.
 func relayEvents(w io.Writer, body io.Reader, hideUsage bool, onUsage func(anchor.Usage)) error {
-	br := bufio.NewReaderSize(body, 64<<10)
+	br := readerPool.Get().(*bufio.Reader)
+	br.Reset(body)
+	defer func() { br.Reset(nil); readerPool.Put(br) }()
 	flusher, _ := w.(http.Flusher)
 	var (
 		ev, long []byte
