@@ -3,4 +3,54 @@
 // tail, reuse stored compactions, latch after failures, throttle, drop. It is
 // pure logic: standard library and the sibling pure packages only; the model
 // call and the clock come in through interfaces.
+//
+// The steps follow DESIGN.md § Compaction. Readings of the cases it leaves
+// open:
+//
+//   - Positions in State are indexes into Input.Messages (provider-visible),
+//     and every record is keyed by the client chain's digest covering it
+//     (a trim by d[i+1], a summary by d[Cut], a drop by d[To]), so a record
+//     applies only while the client's messages up to it are unchanged.
+//   - Trim excerpts are not stored: an excerpt is a pure function of the
+//     message and Trim.Keep, recomputed per request from the JSON literal
+//     without decoding the elided middle. Tool results with image, audio or
+//     file parts are never excerpted; arrays of text parts become a string.
+//     "Long" is measured locally (text bytes / 4) per message; the view as a
+//     whole is always measured with the Estimator.
+//   - keep_tail 0 still keeps the client's final message (it must stay
+//     final); the cut walks back over tool and function results.
+//   - The ask (most recent text-only user message) is re-inserted after the
+//     summary when it lies in the head. If the tail itself starts with a
+//     user message (one with an image: a text-only one would be the ask),
+//     the ask is quoted at the end of the summary message instead, so two
+//     user messages never meet.
+//   - "Replacing the head can reach the target" is tested with a placeholder
+//     summary of Config.SummaryTokens and the tail as it stands; when it
+//     cannot, step 4 runs without a summarize (and without a suppression).
+//   - Step 4 excerpts long results anywhere after the summary (the head's
+//     ones were already trimmed by step 1) except the final message. Drops
+//     go first through the head, down to the target; only when dropping the
+//     whole head still leaves the view over the budget do they reach into
+//     the tail (never the final message's turn). A dropped range keeps the
+//     opening user message when the next kept message is not a user one and
+//     never makes two user or two assistant messages meet.
+//   - Failures: the summarizer's error, ErrEmptySummary, ErrSummaryNotSmaller
+//     (compared with the trimmed view before it). A canceled request context
+//     (the client went away) does not engage the latch. LatchGrowth 0
+//     disables the latch; the latch is checked before the throttle and also
+//     in overflow recovery (IgnoreThrottle).
+//   - A new summary clears the drop record and the trims it covers; trims in
+//     the head that step 1 made before the summary are neither stored nor
+//     reported.
+//   - Shadow and dry runs never call the summarizer (a summary that is not
+//     stored would be asked for again at every step); they report
+//     ActionSummarizePending where one would be made. Shadow forwards the
+//     client's view and returns the input State.
+//   - Invariant: a produced view must pass pairing.Check; when the client's
+//     own view does not (pairing off), it must add no violation. A failing
+//     view is discarded; the stored records are forgotten when they alone
+//     produce a failing view; the summarize bookkeeping (latch, throttle) is
+//     kept, so a broken view never causes a summarize per step.
+//   - Input.Measured scales every candidate's estimate by measured ÷
+//     estimated when the estimator undercounted.
 package compaction

@@ -258,7 +258,9 @@ type run struct {
 	excerpts map[[2]int]chat.Message
 	blocks   map[*Summary][]chat.Message
 
-	reapplied                          map[int]int // the stored trims that matched
+	// reapplied are the stored trims that matched.
+	reapplied map[int]int
+
 	newTrims, newSum, newDrop, pending bool
 }
 
