@@ -341,8 +341,9 @@ func summaryBlock(s *Summary, msgs []chat.Message) []chat.Message {
 	return out
 }
 
-// toPairing converts a view into pairing's minimal view.
-func toPairing(view []chat.Message) []pairing.Message {
+// PairingView converts a view into pairing's minimal view (the engine
+// asserts its own output with it; the proxy checks client requests with it).
+func PairingView(view []chat.Message) []pairing.Message {
 	out := make([]pairing.Message, len(view))
 	for i := range view {
 		m := &view[i]
@@ -366,4 +367,4 @@ func toPairing(view []chat.Message) []pairing.Message {
 }
 
 // violations counts the strict pairing violations of a view.
-func violations(view []chat.Message) int { return len(pairing.Check(toPairing(view))) }
+func violations(view []chat.Message) int { return len(pairing.Check(PairingView(view))) }

@@ -1,50 +1,21 @@
 package proxy
 
 import (
-	"bytes"
 	"fmt"
 	"net/http"
 
 	"github.com/compactproxy/compactproxy/internal/chat"
+	"github.com/compactproxy/compactproxy/internal/compaction"
 	"github.com/compactproxy/compactproxy/internal/pairing"
 	"go.uber.org/zap"
 )
-
-// pairingView converts messages to pairing's minimal view.
-func pairingView(msgs []chat.Message) []pairing.Message {
-	out := make([]pairing.Message, len(msgs))
-	for i := range msgs {
-		m := &msgs[i]
-		pm := pairing.Message{
-			Role:          m.Role,
-			ToolCallID:    m.ToolCallID,
-			HasToolCallID: m.HasToolCallID,
-			FunctionCall:  m.FunctionCall,
-			Name:          m.Name,
-			HasContent:    hasContent(m),
-		}
-		if len(m.ToolCalls) > 0 {
-			pm.Calls = make([]pairing.Call, len(m.ToolCalls))
-			for j, c := range m.ToolCalls {
-				pm.Calls[j] = pairing.Call{ID: c.ID, HasID: c.HasID, Name: c.Name}
-			}
-		}
-		out[i] = pm
-	}
-	return out
-}
-
-func hasContent(m *chat.Message) bool {
-	c := bytes.TrimSpace(m.Content)
-	return len(c) > 0 && !bytes.Equal(c, []byte("null")) && !bytes.Equal(c, []byte(`""`)) && !bytes.Equal(c, []byte("[]"))
-}
 
 // checkPairing applies pairing.mode to the client's view. It returns false
 // when it answered the client (strict mode, a violation).
 func (s *Server) checkPairing(w http.ResponseWriter, r *http.Request, cr *chatRequest, ci *chatInfo) bool {
 	mode := s.cfg.Pairing.Mode
 	msgs := cr.forward
-	pv := pairingView(msgs)
+	pv := compaction.PairingView(msgs)
 	vs := pairing.Check(pv)
 	if len(vs) == 0 {
 		return true
