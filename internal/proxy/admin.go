@@ -5,7 +5,6 @@ import (
 	"net/http"
 	"regexp"
 
-	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/compaction"
 	"github.com/go-chi/chi/v5"
 	"go.uber.org/zap"
@@ -27,10 +26,11 @@ type previewResponse struct {
 // runs (and stores) a summary as a real request would.
 func (s *Server) handlePreview(w http.ResponseWriter, r *http.Request) {
 	ri := infoFrom(r.Context())
-	req, ok := s.readChatRequest(w, r)
+	req, pb, ok := s.readChatRequest(w, r)
 	if !ok {
 		return
 	}
+	defer pb.release()
 	ci := &chatInfo{model: req.Model, messages: len(req.Messages), action: "none"}
 	ri.chat = ci
 	cr := &chatRequest{req: req, forward: req.Messages, respHeaders: http.Header{}, tenant: tenantOf(s.tenantSecret, r.Header)}
@@ -45,13 +45,14 @@ func (s *Server) handlePreview(w http.ResponseWriter, r *http.Request) {
 	convID := conversationID(r, cr.forward)
 	key := storeKey(cr.tenant, convID)
 	window := s.windows.get(req.Model)
+	memo := &chainMemo{s: s, seed: seed}
 
 	var out compaction.Output
 	if s.engine != nil && window > 0 {
 		unlock := s.convLocks.lock(key)
 		st, _, _ := s.store.Load(ctx, key)
-		est := s.estimator(seed, st.Anchors, identity)
-		chain, _, cerr := anchor.ViewChain(seed, cr.forward, s.local)
+		est := s.estimator(memo, st.Anchors, identity)
+		chain, _, cerr := memo.chain(cr.forward)
 		if cerr == nil {
 			out = s.engine.Compact(s.summarizeContext(ctx, r, req.Model), compaction.Input{
 				Messages: cr.forward, Chain: chain, State: st, Window: window,
@@ -68,7 +69,7 @@ func (s *Server) handlePreview(w http.ResponseWriter, r *http.Request) {
 	}
 	if out.Messages == nil {
 		st, _, _ := s.store.Load(ctx, key)
-		e := s.estimator(seed, st.Anchors, identity)(cr.forward)
+		e := s.estimator(memo, st.Anchors, identity)(cr.forward)
 		out = compaction.Output{Messages: cr.forward, Action: compaction.ActionNone, Context: e, Forwarded: e.Tokens}
 		if window > 0 {
 			out.Budget = window - max(s.cfg.Compaction.ReserveTokens, req.MaxTokens)

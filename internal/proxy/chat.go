@@ -22,16 +22,17 @@ var errBodyTooLarge = errors.New("proxy: request body too large")
 // so an oversized upload is refused without reading it, and a declared
 // length is read into one exactly-sized buffer (no growth copies of a
 // megabyte body).
-func readBody(r *http.Request, limit int64) ([]byte, error) {
+func readBody(r *http.Request, limit int64) ([]byte, *pooledBody, error) {
 	if limit > 0 && r.ContentLength > limit {
-		return nil, errBodyTooLarge
+		return nil, nil, errBodyTooLarge
 	}
 	if n := r.ContentLength; n > 0 {
-		buf := make([]byte, n)
-		if _, err := io.ReadFull(r.Body, buf); err != nil {
-			return nil, err
+		pb := getBody(int(n))
+		if _, err := io.ReadFull(r.Body, pb.buf); err != nil {
+			pb.release()
+			return nil, nil, err
 		}
-		return buf, nil
+		return pb.buf, pb, nil
 	}
 	b := bytes.NewBuffer(nil)
 	rd := io.Reader(r.Body)
@@ -39,12 +40,12 @@ func readBody(r *http.Request, limit int64) ([]byte, error) {
 		rd = io.LimitReader(r.Body, limit+1)
 	}
 	if _, err := b.ReadFrom(rd); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if limit > 0 && int64(b.Len()) > limit {
-		return nil, errBodyTooLarge
+		return nil, nil, errBodyTooLarge
 	}
-	return b.Bytes(), nil
+	return b.Bytes(), nil, nil
 }
 
 // writeUnauthorized answers a client without a key this proxy accepts.
@@ -57,32 +58,36 @@ func writeUnauthorized(w http.ResponseWriter) {
 // (chat and preview). It answers the client itself and returns false on
 // any problem: 401, 413, 400 in OpenAI's envelope, or 499 for a client that
 // went away mid-upload.
-func (s *Server) readChatRequest(w http.ResponseWriter, r *http.Request) (*chat.Request, bool) {
+//
+// The body buffer may be pooled: the caller calls the returned pooledBody's
+// release (nil-safe) when the request is over.
+func (s *Server) readChatRequest(w http.ResponseWriter, r *http.Request) (*chat.Request, *pooledBody, bool) {
 	if !s.auth.allow(r.Header) {
 		writeUnauthorized(w)
-		return nil, false
+		return nil, nil, false
 	}
-	body, err := readBody(r, s.cfg.Limits.MaxBodyBytes)
+	body, pb, err := readBody(r, s.cfg.Limits.MaxBodyBytes)
 	if err != nil {
 		if errors.Is(err, errBodyTooLarge) {
 			writeError(w, http.StatusRequestEntityTooLarge, "invalid_request_error", "request_too_large", "",
 				fmt.Sprintf("request body exceeds the proxy's limit of %d bytes (limits.max_body_bytes)", s.cfg.Limits.MaxBodyBytes))
-			return nil, false
+			return nil, nil, false
 		}
 		infoFrom(r.Context()).status = 499
-		return nil, false
+		return nil, nil, false
 	}
 	req, err := chat.Parse(body)
 	if err != nil {
+		pb.release()
 		var pe *chat.ParseError
 		if errors.As(err, &pe) {
 			writeInvalid(w, pe.Param, pe.Message)
 		} else {
 			writeInvalid(w, "", err.Error())
 		}
-		return nil, false
+		return nil, nil, false
 	}
-	return req, true
+	return req, pb, true
 }
 
 // hopHeaders are not forwarded (RFC 9110 § 7.6.1) plus the ones we set.
@@ -151,6 +156,9 @@ type chatRequest struct {
 	// recompact compacts again after an overflow answer; true when the
 	// view changed and the request should be sent again.
 	recompact func(ctx context.Context, info overflowInfo) bool
+	// pb is the pooled buffer the client's body was read into (nil when
+	// not pooled); outgoing bodies that point into it are tracked.
+	pb *pooledBody
 	// respHeaders are extra headers for the client (X-Compactproxy-*).
 	respHeaders http.Header
 }
@@ -158,10 +166,11 @@ type chatRequest struct {
 func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 	ri := infoFrom(r.Context())
 	start := time.Now()
-	req, ok := s.readChatRequest(w, r)
+	req, pb, ok := s.readChatRequest(w, r)
 	if !ok {
 		return
 	}
+	defer pb.release()
 	ci := &chatInfo{model: req.Model, stream: req.Stream, messages: len(req.Messages), action: "none"}
 	ri.chat = ci
 	if req.UIOnlyRemoved > 0 {
@@ -170,6 +179,7 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 	cr := &chatRequest{
 		start:       start,
 		req:         req,
+		pb:          pb,
 		headers:     s.upstreamHeaders(r.Header),
 		tenant:      tenantOf(s.tenantSecret, r.Header),
 		forward:     req.Messages,

@@ -119,15 +119,56 @@ func (s *Server) seed(req *chat.Request) anchor.Digest {
 // estimator builds the Estimate closure for one request: any view's digest
 // chain, the conversation's anchors, the local estimate and the model's
 // calibration ratio.
-func (s *Server) estimator(seed anchor.Digest, anchors []anchor.Anchor, identity string) compaction.Estimator {
+func (s *Server) estimator(memo *chainMemo, anchors []anchor.Anchor, identity string) compaction.Estimator {
 	ratio := s.calibration.Ratio(identity)
 	return func(view []chat.Message) anchor.Estimate {
-		chain, local, err := anchor.ViewChain(seed, view, s.local)
+		chain, local, err := memo.chain(view)
 		if err != nil {
 			return anchor.Estimate{Source: anchor.SourceLocal}
 		}
 		return anchor.EstimateView(chain, local, anchors, ratio)
 	}
+}
+
+// chainMemo computes views' digest chains for one request and remembers
+// the last one: the same view is measured several times (the client's view
+// by the proxy and by the engine, the forwarded view again when its usage
+// is recorded), and a chain is a function of the seed and the messages'
+// digests alone, so equal digests mean an equal chain.
+type chainMemo struct {
+	s       *Server
+	seed    anchor.Digest
+	digests []anchor.Digest
+	last    []anchor.Digest
+}
+
+func (m *chainMemo) chain(view []chat.Message) ([]anchor.Digest, []int, error) {
+	if m.last != nil && len(view) == len(m.digests) {
+		same := true
+		for i := range view {
+			if !view[i].HasDigest || view[i].Digest != m.digests[i] {
+				same = false
+				break
+			}
+		}
+		if same {
+			local := make([]int, len(view))
+			for i := range view {
+				local[i] = m.s.local.Tokens(&view[i])
+			}
+			return m.last, local, nil
+		}
+	}
+	chain, local, err := anchor.ViewChain(m.seed, view, m.s.local)
+	if err != nil {
+		return nil, nil, err
+	}
+	m.digests = m.digests[:0]
+	for i := range view {
+		m.digests = append(m.digests, view[i].Digest)
+	}
+	m.last = chain
+	return chain, local, nil
 }
 
 // prepareChat is the request path between parsing and forwarding: pairing,
@@ -148,6 +189,7 @@ func (s *Server) prepareChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 	convID := conversationID(r, cr.forward)
 	key := storeKey(cr.tenant, convID)
 	ci.conversation = convID
+	memo := &chainMemo{s: s, seed: seed}
 	cr.respHeaders.Set("X-Compactproxy-Conversation-Id", convID)
 
 	bypass := strings.EqualFold(r.Header.Get("X-Compactproxy-Bypass"), "true")
@@ -166,7 +208,7 @@ func (s *Server) prepareChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 			if err != nil {
 				s.log.Warn("state load failed", zap.String("request_id", ri.id), zap.Error(err))
 			}
-			e := s.estimator(seed, st.Anchors, identity)(cr.forward)
+			e := s.estimator(memo, st.Anchors, identity)(cr.forward)
 			return compaction.Output{Messages: cr.forward, Action: compaction.ActionNone, Context: e, Forwarded: e.Tokens}
 		}
 		unlock := s.convLocks.lock(key)
@@ -175,8 +217,8 @@ func (s *Server) prepareChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 		if err != nil {
 			s.log.Warn("state load failed", zap.String("request_id", ri.id), zap.Error(err))
 		}
-		est := s.estimator(seed, st.Anchors, identity)
-		chain, _, err := anchor.ViewChain(seed, cr.client, s.local)
+		est := s.estimator(memo, st.Anchors, identity)
+		chain, _, err := memo.chain(cr.client)
 		if err != nil {
 			s.metrics.CompactionErrors.Inc()
 			e := est(cr.forward)
@@ -240,7 +282,7 @@ func (s *Server) prepareChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 		}
 		// The provider's count is a measurement of exactly what was sent.
 		if info.prompt > 0 {
-			s.recordAnchor(ctx, ri.id, key, identity, seed, cr.forward, anchor.Usage{Input: info.prompt, Uncached: info.prompt, HasInput: true})
+			s.recordAnchor(ctx, ri.id, key, identity, memo, cr.forward, anchor.Usage{Input: info.prompt, Uncached: info.prompt, HasInput: true})
 		}
 		before := cr.forward
 		out := run(ctx, true)
@@ -251,18 +293,18 @@ func (s *Server) prepareChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 	// The usage hook: record the provider's measurement for exactly the
 	// messages forwarded, before the response's last byte is written.
 	cr.onUsage = func(u anchor.Usage) {
-		s.recordAnchor(context.WithoutCancel(ctx), ri.id, key, identity, seed, cr.forward, u)
+		s.recordAnchor(context.WithoutCancel(ctx), ri.id, key, identity, memo, cr.forward, u)
 	}
 	return false
 }
 
 // recordAnchor stores the provider's measurement of exactly the messages
 // forwarded (one of the request's two writes) and feeds the calibration.
-func (s *Server) recordAnchor(ctx context.Context, reqID, key, identity string, seed anchor.Digest, view []chat.Message, u anchor.Usage) {
+func (s *Server) recordAnchor(ctx context.Context, reqID, key, identity string, memo *chainMemo, view []chat.Message, u anchor.Usage) {
 	if !u.HasInput {
 		return
 	}
-	chain, local, err := anchor.ViewChain(seed, view, s.local)
+	chain, local, err := memo.chain(view)
 	if err != nil {
 		return
 	}

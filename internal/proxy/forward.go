@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"io"
@@ -31,7 +30,7 @@ func (s *Server) forwardChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 		s.metrics.Overhead.Observe((time.Since(cr.start) - cr.spent).Seconds())
 		upStart := time.Now()
 		resp, err := s.retrier.do(ctx, "chat", func() (*http.Request, error) {
-			req, err := http.NewRequest(http.MethodPost, s.chatURL, bytes.NewReader(body))
+			req, err := http.NewRequest(http.MethodPost, s.chatURL, cr.pb.reader(body))
 			if err != nil {
 				return nil, err
 			}
