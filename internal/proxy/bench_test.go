@@ -31,19 +31,7 @@ func BenchmarkChatPath(b *testing.B) {
 		cfg := testConfig(up.URL)
 		cfg.Upstream.ContextWindow = 1000000
 		p := newBenchProxy(b, cfg)
-		// The floor: read the body and forward it, nothing else.
-		client := &http.Client{Transport: newTransport()}
-		bare := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			in, _ := io.ReadAll(r.Body)
-			resp, err := client.Post(up.URL+"/v1/chat/completions", "application/json", bytes.NewReader(in))
-			if err != nil {
-				w.WriteHeader(502)
-				return
-			}
-			defer resp.Body.Close()
-			w.WriteHeader(resp.StatusCode)
-			io.Copy(w, resp.Body)
-		})
+		bare := bareForwarder(up.URL)
 		for _, target := range []struct {
 			name string
 			h    http.Handler
@@ -95,18 +83,7 @@ func BenchmarkStreamPath(b *testing.B) {
 	cfg := testConfig(up.URL)
 	cfg.Upstream.ContextWindow = 1000000
 	p := newBenchProxy(b, cfg)
-	client := &http.Client{Transport: newTransport()}
-	bare := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		in, _ := io.ReadAll(r.Body)
-		resp, err := client.Post(up.URL+"/v1/chat/completions", "application/json", bytes.NewReader(in))
-		if err != nil {
-			w.WriteHeader(502)
-			return
-		}
-		defer resp.Body.Close()
-		w.WriteHeader(resp.StatusCode)
-		io.Copy(w, resp.Body)
-	})
+	bare := bareForwarder(up.URL)
 	for _, target := range []struct {
 		name string
 		h    http.Handler
@@ -122,4 +99,21 @@ func BenchmarkStreamPath(b *testing.B) {
 			}
 		})
 	}
+}
+
+// bareForwarder is the floor a proxy is compared with: read the body and
+// forward it to the upstream, nothing else.
+func bareForwarder(upstream string) http.Handler {
+	client := &http.Client{Transport: newTransport()}
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		in, _ := io.ReadAll(r.Body)
+		resp, err := client.Post(upstream+"/v1/chat/completions", "application/json", bytes.NewReader(in))
+		if err != nil {
+			w.WriteHeader(502)
+			return
+		}
+		defer resp.Body.Close()
+		w.WriteHeader(resp.StatusCode)
+		io.Copy(w, resp.Body)
+	})
 }
