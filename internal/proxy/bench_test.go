@@ -7,7 +7,10 @@ import (
 	"net/http/httptest"
 	"testing"
 
+	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/chat/chattest"
+	"github.com/compactproxy/compactproxy/internal/compaction"
+	"github.com/compactproxy/compactproxy/internal/pairing"
 	"github.com/compactproxy/compactproxy/internal/config"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
@@ -116,4 +119,34 @@ func bareForwarder(upstream string) http.Handler {
 		w.WriteHeader(resp.StatusCode)
 		io.Copy(w, resp.Body)
 	})
+}
+
+// BenchmarkPairingAgentBodies is what the pairing check adds to a request
+// of the load harness's sizes (view conversion + pairing.Check), next to
+// parsing the same body, in the same run.
+func BenchmarkPairingAgentBodies(b *testing.B) {
+	for _, size := range []struct {
+		name string
+		n    int
+	}{{"16KB", 16 << 10}, {"1MiB", 1 << 20}} {
+		body := chattest.AgentBody(size.n, false)
+		req, err := chat.Parse(body)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Run(size.name+"/parse", func(b *testing.B) {
+			for b.Loop() {
+				if _, err := chat.Parse(body); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+		b.Run(size.name+"/pairing", func(b *testing.B) {
+			for b.Loop() {
+				if vs := pairing.Check(compaction.PairingView(req.Messages)); len(vs) != 0 {
+					b.Fatal(vs)
+				}
+			}
+		})
+	}
 }
