@@ -10,8 +10,8 @@ import (
 	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/chat/chattest"
 	"github.com/compactproxy/compactproxy/internal/compaction"
-	"github.com/compactproxy/compactproxy/internal/pairing"
 	"github.com/compactproxy/compactproxy/internal/config"
+	"github.com/compactproxy/compactproxy/internal/pairing"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 )
