@@ -363,3 +363,46 @@ func TestOverflowRecovery(t *testing.T) {
 		t.Errorf("plain 400: status %d calls %d body %s", resp.StatusCode, calls.Load()-before, b)
 	}
 }
+
+// The preview is a dry run: over the trigger it reports summarize_pending
+// without calling anyone; ?summarize=true makes and stores the summary,
+// which the next chat request then reuses.
+func TestPreviewSummarizePendingThenSummarize(t *testing.T) {
+	up := countingUpstream(t)
+	sum := newSummarizerServer(t)
+	p := newTestProxy(t, compactionConfig(up.URL, sum.URL))
+	a := newAgent()
+	for a.step < 16 {
+		a.toolStep(800)
+	}
+	preview := func(query string) previewResponse {
+		resp := p.post(t, "/v1/compactproxy/preview"+query, a.body(), "Authorization", "Bearer k", "X-Compactproxy-Conversation", "conv")
+		b := readAll(t, resp)
+		if resp.StatusCode != 200 {
+			t.Fatalf("preview status %d: %s", resp.StatusCode, b)
+		}
+		var pr previewResponse
+		if err := json.Unmarshal(b, &pr); err != nil {
+			t.Fatal(err)
+		}
+		return pr
+	}
+	pr := preview("")
+	if pr.Action != "summarize_pending" || sum.calls.Load() != 0 || len(up.requests()) != 0 {
+		t.Fatalf("dry run: action %q, summarizer calls %d, upstream calls %d", pr.Action, sum.calls.Load(), len(up.requests()))
+	}
+	if pr.ContextTokens < int(0.8*float64(pr.Budget)) || pr.Window != 4000 || pr.Budget != 3500 {
+		t.Errorf("dry run figures %+v", pr)
+	}
+	pr = preview("?summarize=true")
+	if pr.Action != "summarized" || sum.calls.Load() != 1 || pr.ForwardedTokens >= pr.ContextTokens {
+		t.Fatalf("summarize=true: action %q, calls %d, forwarded %d of %d", pr.Action, sum.calls.Load(), pr.ForwardedTokens, pr.ContextTokens)
+	}
+	if len(up.requests()) != 0 {
+		t.Fatal("preview called the chat upstream")
+	}
+	resp := p.chatOK(t, a.body())
+	if got := resp.Header.Get("X-Compactproxy-Compaction"); got != "reused" || sum.calls.Load() != 1 {
+		t.Fatalf("chat after preview: %q, summarizer calls %d", got, sum.calls.Load())
+	}
+}
