@@ -527,3 +527,37 @@ func TestLogsNeverCarrySecretsOrContent(t *testing.T) {
 		}
 	}
 }
+
+func TestStreamUsageModes(t *testing.T) {
+	for _, mode := range []string{"never", "always"} {
+		t.Run(mode, func(t *testing.T) {
+			up := newFakeUpstream(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
+				if bytes.Contains(body, []byte("stream_options")) {
+					w.WriteHeader(400)
+					io.WriteString(w, `{"error":{"message":"unknown field stream_options","type":"invalid_request_error"}}`)
+					return
+				}
+				w.Header().Set("Content-Type", "text/event-stream")
+				sse(w, `{"choices":[{"index":0,"delta":{"content":"hi"}}]}`)
+				sse(w, "[DONE]")
+			})
+			cfg := testConfig(up.URL)
+			cfg.Upstream.StreamUsage = mode
+			p := newTestProxy(t, cfg)
+			resp := p.post(t, "/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"x"}]}`)
+			readAll(t, resp)
+			n := len(up.requests())
+			switch mode {
+			case "never":
+				if resp.StatusCode != 200 || n != 1 || bytes.Contains(up.last(t).Body, []byte("stream_options")) {
+					t.Errorf("never: status %d, %d calls, body %s", resp.StatusCode, n, up.last(t).Body)
+				}
+			case "always":
+				// No fallback in always mode: the client sees the upstream's answer.
+				if resp.StatusCode != 400 || n != 1 {
+					t.Errorf("always: status %d, %d calls", resp.StatusCode, n)
+				}
+			}
+		})
+	}
+}
