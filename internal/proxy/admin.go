@@ -5,9 +5,7 @@ import (
 	"net/http"
 	"regexp"
 
-	"github.com/compactproxy/compactproxy/internal/compaction"
 	"github.com/go-chi/chi/v5"
-	"go.uber.org/zap"
 )
 
 // previewResponse is the body of POST /v1/compactproxy/preview.
@@ -38,43 +36,12 @@ func (s *Server) handlePreview(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	summarize := r.URL.Query().Get("summarize") == "true"
-	ctx := r.Context()
-	identity := s.modelIdentity(req.Model)
-	seed := s.seed(req)
-	_ = s.digests.hash(cr.tenant, cr.forward)
-	convID := conversationID(r, cr.forward)
-	key := storeKey(cr.tenant, convID)
+	cv := s.openConversation(r, cr)
+	// A dry run changes nothing and counts nothing; ?summarize=true is a
+	// real summarize, stored and counted like one made by a chat request.
+	out, _ := s.compact(r.Context(), r, cv, cr.forward, req.Model, req.MaxTokens,
+		compactOptions{enabled: s.cfg.Compaction.Enabled, summarize: summarize, commit: summarize})
 	window := s.windows.get(req.Model)
-	memo := &chainMemo{s: s, seed: seed}
-
-	var out compaction.Output
-	if s.engine != nil && window > 0 {
-		unlock := s.convLocks.lock(key)
-		st, _, _ := s.store.Load(ctx, key)
-		est := s.estimator(memo, st.Anchors, identity)
-		chain, _, cerr := memo.chain(cr.forward)
-		if cerr == nil {
-			out = s.engine.Compact(s.summarizeContext(ctx, r, req.Model), compaction.Input{
-				Messages: cr.forward, Chain: chain, State: st, Window: window,
-				MaxTokens: req.MaxTokens, Estimate: est, Summarize: summarize,
-			})
-			s.countCompaction(ri.id, out)
-			if summarize && out.StateChanged {
-				if err := s.store.Save(ctx, key, out.State); err != nil {
-					s.log.Warn("state save failed", zap.String("request_id", ri.id), zap.Error(err))
-				}
-			}
-		}
-		unlock()
-	}
-	if out.Messages == nil {
-		st, _, _ := s.store.Load(ctx, key)
-		e := s.estimator(memo, st.Anchors, identity)(cr.forward)
-		out = compaction.Output{Messages: cr.forward, Action: compaction.ActionNone, Context: e, Forwarded: e.Tokens}
-		if window > 0 {
-			out.Budget = window - max(s.cfg.Compaction.ReserveTokens, req.MaxTokens)
-		}
-	}
 	resp := previewResponse{
 		Messages:        make([]json.RawMessage, len(out.Messages)),
 		Action:          string(out.Action),
@@ -92,7 +59,7 @@ func (s *Server) handlePreview(w http.ResponseWriter, r *http.Request) {
 	}
 	ci.action = resp.Action
 	w.Header().Set("Content-Type", "application/json")
-	w.Header().Set("X-Compactproxy-Conversation-Id", convID)
+	w.Header().Set("X-Compactproxy-Conversation-Id", cv.id)
 	_ = json.NewEncoder(w).Encode(resp)
 }
 

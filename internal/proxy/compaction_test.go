@@ -372,6 +372,7 @@ func TestPreviewSummarizePendingThenSummarize(t *testing.T) {
 	sum := newSummarizerServer(t)
 	p := newTestProxy(t, compactionConfig(up.URL, sum.URL))
 	a := newAgent()
+	a.toolStep(6000) // long enough to be trimmed: a dry run must not count that
 	for a.step < 16 {
 		a.toolStep(800)
 	}
@@ -391,6 +392,11 @@ func TestPreviewSummarizePendingThenSummarize(t *testing.T) {
 	if pr.Action != "summarize_pending" || sum.calls.Load() != 0 || len(up.requests()) != 0 {
 		t.Fatalf("dry run: action %q, summarizer calls %d, upstream calls %d", pr.Action, sum.calls.Load(), len(up.requests()))
 	}
+	for _, action := range []string{"trimmed", "summarized", "dropped", "reused"} {
+		if v := counter(t, p.reg, "compactproxy_compactions_total", map[string]string{"action": action}); v != 0 {
+			t.Errorf("dry run counted compactions_total{%s} = %v", action, v)
+		}
+	}
 	if pr.ContextTokens < int(0.8*float64(pr.Budget)) || pr.Window != 4000 || pr.Budget != 3500 {
 		t.Errorf("dry run figures %+v", pr)
 	}
@@ -400,6 +406,9 @@ func TestPreviewSummarizePendingThenSummarize(t *testing.T) {
 	}
 	if len(up.requests()) != 0 {
 		t.Fatal("preview called the chat upstream")
+	}
+	if v := counter(t, p.reg, "compactproxy_summarize_total", map[string]string{"result": "success"}); v != 1 {
+		t.Errorf("summarize_total{success} = %v after ?summarize=true", v)
 	}
 	resp := p.chatOK(t, a.body())
 	if got := resp.Header.Get("X-Compactproxy-Compaction"); got != "reused" || sum.calls.Load() != 1 {

@@ -171,6 +171,96 @@ func (m *chainMemo) chain(view []chat.Message) ([]anchor.Digest, []int, error) {
 	return chain, local, nil
 }
 
+// conversation is what one request knows about its conversation: the
+// model identity, the state key (tenant-bound) and the chain memo that every
+// view of this request shares.
+type conversation struct {
+	id, key, identity string
+	memo              *chainMemo
+}
+
+// openConversation hashes the view's messages (cached per tenant) and
+// derives the conversation's id and state key.
+func (s *Server) openConversation(r *http.Request, cr *chatRequest) *conversation {
+	if err := s.digests.hash(cr.tenant, cr.forward); err != nil {
+		s.log.Warn("message digest failed", zap.String("request_id", infoFrom(r.Context()).id), zap.Error(err))
+	}
+	id := conversationID(r, cr.forward)
+	return &conversation{
+		id:       id,
+		key:      storeKey(cr.tenant, id),
+		identity: s.modelIdentity(cr.req.Model),
+		memo:     &chainMemo{s: s, seed: s.seed(cr.req)},
+	}
+}
+
+// compactOptions selects what one run of the engine may do.
+type compactOptions struct {
+	enabled        bool // compaction applies to this request at all
+	summarize      bool // false: dry run, never call the summarizer
+	ignoreThrottle bool // overflow recovery
+	commit         bool // save the new state and count the events
+}
+
+// compact runs the engine over view (the client's provider-visible view)
+// under the conversation's lock: load → decide → save. Without a known
+// window, or when compaction does not apply, it only estimates. It returns
+// the decision and the time spent summarizing (excluded from overhead).
+func (s *Server) compact(ctx context.Context, r *http.Request, cv *conversation, view []chat.Message, model string, maxTokens int, o compactOptions) (compaction.Output, time.Duration) {
+	reqID := infoFrom(ctx).id
+	window := s.windows.get(model)
+	estimateOnly := func(st compaction.State) compaction.Output {
+		e := s.estimator(cv.memo, st.Anchors, cv.identity)(view)
+		out := compaction.Output{Messages: view, Action: compaction.ActionNone, Context: e, Forwarded: e.Tokens}
+		if window > 0 {
+			out.Budget = window - max(s.cfg.Compaction.ReserveTokens, maxTokens)
+		}
+		return out
+	}
+	if !o.enabled || s.engine == nil || window == 0 {
+		st, _, err := s.store.Load(ctx, cv.key)
+		if err != nil {
+			s.log.Warn("state load failed", zap.String("request_id", reqID), zap.Error(err))
+		}
+		return estimateOnly(st), 0
+	}
+	unlock := s.convLocks.lock(cv.key)
+	defer unlock()
+	st, _, err := s.store.Load(ctx, cv.key)
+	if err != nil {
+		s.log.Warn("state load failed", zap.String("request_id", reqID), zap.Error(err))
+	}
+	chain, _, err := cv.memo.chain(view)
+	if err != nil {
+		s.metrics.CompactionErrors.Inc()
+		return estimateOnly(st), 0
+	}
+	start := time.Now()
+	out := s.engine.Compact(s.summarizeContext(ctx, r, model), compaction.Input{
+		Messages:       view,
+		Chain:          chain,
+		State:          st,
+		Window:         window,
+		MaxTokens:      maxTokens,
+		Estimate:       s.estimator(cv.memo, st.Anchors, cv.identity),
+		Summarize:      o.summarize,
+		IgnoreThrottle: o.ignoreThrottle,
+	})
+	var spent time.Duration
+	if out.Events.SummarizeCalled {
+		spent = time.Since(start)
+	}
+	if o.commit {
+		s.countCompaction(reqID, out)
+		if out.StateChanged {
+			if err := s.store.Save(ctx, cv.key, out.State); err != nil {
+				s.log.Warn("state save failed", zap.String("request_id", reqID), zap.Error(err))
+			}
+		}
+	}
+	return out, spent
+}
+
 // prepareChat is the request path between parsing and forwarding: pairing,
 // conversation identity, stored compaction, estimate, compaction, headers
 // and the usage hook that records the anchor.
@@ -181,72 +271,21 @@ func (s *Server) prepareChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 	ctx := r.Context()
 	ri := infoFrom(ctx)
 	req := cr.req
-	identity := s.modelIdentity(req.Model)
-	seed := s.seed(req)
-	if err := s.digests.hash(cr.tenant, cr.forward); err != nil {
-		s.log.Warn("message digest failed", zap.String("request_id", ri.id), zap.Error(err))
-	}
-	convID := conversationID(r, cr.forward)
-	key := storeKey(cr.tenant, convID)
-	ci.conversation = convID
-	memo := &chainMemo{s: s, seed: seed}
-	cr.respHeaders.Set("X-Compactproxy-Conversation-Id", convID)
-
-	bypass := strings.EqualFold(r.Header.Get("X-Compactproxy-Bypass"), "true")
+	cv := s.openConversation(r, cr)
+	ci.conversation = cv.id
+	cr.respHeaders.Set("X-Compactproxy-Conversation-Id", cv.id)
 	if s.windows.get(req.Model) == 0 {
 		s.metrics.UnknownWindow.Inc()
 		if s.windows.warnOnce(req.Model) {
 			s.log.Warn("context window unknown for model; not compacting", zap.String("model", req.Model))
 		}
 	}
-	compact := s.engine != nil && s.cfg.Compaction.Enabled && !bypass
-
-	run := func(ctx context.Context, ignoreThrottle bool) compaction.Output {
-		window := s.windows.get(req.Model)
-		if !compact || window == 0 {
-			st, _, err := s.store.Load(ctx, key)
-			if err != nil {
-				s.log.Warn("state load failed", zap.String("request_id", ri.id), zap.Error(err))
-			}
-			e := s.estimator(memo, st.Anchors, identity)(cr.forward)
-			return compaction.Output{Messages: cr.forward, Action: compaction.ActionNone, Context: e, Forwarded: e.Tokens}
-		}
-		unlock := s.convLocks.lock(key)
-		defer unlock()
-		st, _, err := s.store.Load(ctx, key)
-		if err != nil {
-			s.log.Warn("state load failed", zap.String("request_id", ri.id), zap.Error(err))
-		}
-		est := s.estimator(memo, st.Anchors, identity)
-		chain, _, err := memo.chain(cr.client)
-		if err != nil {
-			s.metrics.CompactionErrors.Inc()
-			e := est(cr.forward)
-			return compaction.Output{Messages: cr.forward, Action: compaction.ActionNone, Context: e, Forwarded: e.Tokens}
-		}
-		sumStart := time.Now()
-		out := s.engine.Compact(s.summarizeContext(ctx, r, req.Model), compaction.Input{
-			Messages:       cr.client,
-			Chain:          chain,
-			State:          st,
-			Window:         window,
-			MaxTokens:      req.MaxTokens,
-			Estimate:       est,
-			Summarize:      true,
-			IgnoreThrottle: ignoreThrottle,
-		})
-		if out.Events.SummarizeCalled {
-			cr.spent += time.Since(sumStart)
-		}
-		s.countCompaction(ri.id, out)
-		if out.StateChanged {
-			if err := s.store.Save(ctx, key, out.State); err != nil {
-				s.log.Warn("state save failed", zap.String("request_id", ri.id), zap.Error(err))
-			}
-		}
-		return out
-	}
-	apply := func(out compaction.Output) {
+	bypass := strings.EqualFold(r.Header.Get("X-Compactproxy-Bypass"), "true")
+	opts := compactOptions{enabled: s.cfg.Compaction.Enabled && !bypass, summarize: true, commit: true}
+	cr.client = cr.forward
+	run := func(ctx context.Context) {
+		out, spent := s.compact(ctx, r, cv, cr.client, req.Model, req.MaxTokens, opts)
+		cr.spent += spent
 		if !sameView(out.Messages, cr.forward) {
 			cr.forward = out.Messages
 			cr.unchanged = false
@@ -258,53 +297,51 @@ func (s *Server) prepareChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 		ci.action = action
 		ci.contextTokens = out.Context.Tokens
 		ci.contextSource = out.Context.Source
-		ci.forwardedToken = out.Forwarded
+		ci.forwardedTokens = out.Forwarded
 		cr.respHeaders.Set("X-Compactproxy-Compaction", action)
 		cr.respHeaders.Set("X-Compactproxy-Context-Tokens", strconv.Itoa(out.Context.Tokens))
 		cr.respHeaders.Set("X-Compactproxy-Context-Source", out.Context.Source)
 		cr.respHeaders.Set("X-Compactproxy-Forwarded-Tokens", strconv.Itoa(out.Forwarded))
-	}
-	cr.client = cr.forward
-	out := run(ctx, false)
-	if out.Context.Source == anchor.SourceAnchor {
-		s.metrics.AnchorLookups.WithLabelValues("hit").Inc()
-	} else {
-		s.metrics.AnchorLookups.WithLabelValues("miss").Inc()
-	}
-	s.metrics.ContextTokens.Observe(float64(out.Context.Tokens))
-	apply(out)
-	cr.recompact = func(ctx context.Context, info overflowInfo) bool {
-		if !compact {
-			compact = s.engine != nil && s.cfg.Compaction.Enabled && !bypass
+		if opts.ignoreThrottle {
+			return // the overflow retry: counted once, on the first pass
 		}
-		if !compact {
+		if out.Context.Source == anchor.SourceAnchor {
+			s.metrics.AnchorLookups.WithLabelValues("hit").Inc()
+		} else {
+			s.metrics.AnchorLookups.WithLabelValues("miss").Inc()
+		}
+		s.metrics.ContextTokens.Observe(float64(out.Context.Tokens))
+	}
+	run(ctx)
+	cr.recompact = func(ctx context.Context, info overflowInfo) bool {
+		if !opts.enabled || s.engine == nil {
 			return false
 		}
 		// The provider's count is a measurement of exactly what was sent.
 		if info.prompt > 0 {
-			s.recordAnchor(ctx, ri.id, key, identity, memo, cr.forward, anchor.Usage{Input: info.prompt, Uncached: info.prompt, HasInput: true})
+			s.recordAnchor(ctx, ri.id, cv, cr.forward, anchor.Usage{Input: info.prompt, Uncached: info.prompt, HasInput: true})
 		}
 		before := cr.forward
-		out := run(ctx, true)
-		apply(out)
+		opts.ignoreThrottle = true
+		run(ctx)
 		return !sameView(before, cr.forward)
 	}
-
 	// The usage hook: record the provider's measurement for exactly the
 	// messages forwarded, before the response's last byte is written.
 	cr.onUsage = func(u anchor.Usage) {
-		s.recordAnchor(context.WithoutCancel(ctx), ri.id, key, identity, memo, cr.forward, u)
+		s.recordAnchor(context.WithoutCancel(ctx), ri.id, cv, cr.forward, u)
 	}
 	return false
 }
 
 // recordAnchor stores the provider's measurement of exactly the messages
 // forwarded (one of the request's two writes) and feeds the calibration.
-func (s *Server) recordAnchor(ctx context.Context, reqID, key, identity string, memo *chainMemo, view []chat.Message, u anchor.Usage) {
+func (s *Server) recordAnchor(ctx context.Context, reqID string, cv *conversation, view []chat.Message, u anchor.Usage) {
 	if !u.HasInput {
 		return
 	}
-	chain, local, err := memo.chain(view)
+	identity, key := cv.identity, cv.key
+	chain, local, err := cv.memo.chain(view)
 	if err != nil {
 		return
 	}

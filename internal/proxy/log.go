@@ -58,15 +58,15 @@ type reqInfo struct {
 
 // chatInfo is the chat-specific part of the access log. Never content.
 type chatInfo struct {
-	model          string
-	stream         bool
-	messages       int
-	action         string
-	contextTokens  int
-	contextSource  string
-	forwardedToken int
-	conversation   string
-	pairing        string
+	model           string
+	stream          bool
+	messages        int
+	action          string
+	contextTokens   int
+	contextSource   string
+	forwardedTokens int
+	conversation    string
+	pairing         string
 }
 
 type ctxKey struct{}
@@ -146,7 +146,7 @@ func observe(route string, log *zap.Logger, m *metrics.Metrics, next http.Handle
 				zap.String("compaction", c.action),
 				zap.Int("context_tokens", c.contextTokens),
 				zap.String("context_source", c.contextSource),
-				zap.Int("forwarded_tokens", c.forwardedToken),
+				zap.Int("forwarded_tokens", c.forwardedTokens),
 			)
 			if c.conversation != "" {
 				fields = append(fields, zap.String("conversation_id", c.conversation))
