@@ -145,7 +145,7 @@ type chatRequest struct {
 	forward   []chat.Message
 	client    []chat.Message // the client's provider-visible view (after pairing repair)
 	unchanged bool
-	// hideUsage is set when the proxy injected include_usage, so the
+	// inject is set when the proxy injected include_usage, so the
 	// usage-only chunk must not reach the client.
 	inject bool
 	// spent is time spent in summarize calls, excluded from overhead.
@@ -195,7 +195,7 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 	s.forwardChat(w, r, cr)
 }
 
-// usageMode reports whether include_usage should be injected.
+// injectUsage reports whether include_usage should be injected.
 func (s *Server) injectUsage(req *chat.Request) bool {
 	if !req.Stream || req.IncludeUsage {
 		return false

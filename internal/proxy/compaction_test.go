@@ -415,3 +415,39 @@ func TestPreviewSummarizePendingThenSummarize(t *testing.T) {
 		t.Fatalf("chat after preview: %q, summarizer calls %d", got, sum.calls.Load())
 	}
 }
+
+// A summarizer's error body can echo the conversation; the compaction log
+// names the failure without quoting it.
+func TestSummarizeErrorNotLogged(t *testing.T) {
+	up := countingUpstream(t)
+	const marker = "MARKER-ECHOED-PROMPT-41c9"
+	sum := newFakeUpstream(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
+		w.WriteHeader(400)
+		io.WriteString(w, `{"error":{"message":"cannot summarize: `+marker+`","type":"invalid_request_error"}}`)
+	})
+	cfg := compactionConfig(up.URL, sum.URL)
+	cfg.Retry.Attempts = 1
+	p := newTestProxy(t, cfg)
+	a := newAgent()
+	for a.step < 16 {
+		a.toolStep(800)
+	}
+	p.chatOK(t, a.body())
+	if len(sum.requests()) != 1 {
+		t.Fatalf("summarizer calls %d, want 1", len(sum.requests()))
+	}
+	found := false
+	for _, e := range p.logs.All() {
+		for k, v := range e.ContextMap() {
+			if strings.Contains(fmt.Sprint(v), marker) {
+				t.Errorf("log %q field %s quotes the summarizer's error body", e.Message, k)
+			}
+			if k == "summarize_error" && v == "status 400" {
+				found = true
+			}
+		}
+	}
+	if !found {
+		t.Error("no compaction log line with summarize_error=\"status 400\"")
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"net/http"
 	"strconv"
 	"strings"
@@ -13,6 +14,7 @@ import (
 	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
+	"github.com/compactproxy/compactproxy/internal/summarizer"
 	"go.uber.org/zap"
 )
 
@@ -401,8 +403,35 @@ func (s *Server) countCompaction(reqID string, out compaction.Output) {
 			zap.Int("context_tokens", out.Context.Tokens), zap.Int("forwarded_tokens", out.Forwarded),
 			zap.Int("budget", out.Budget)}
 		if ev.SummaryError != nil {
-			fields = append(fields, zap.String("summarize_error", ev.SummaryError.Error()))
+			fields = append(fields, zap.String("summarize_error", summarizeErrorKind(ev.SummaryError)))
 		}
 		s.log.Info("compaction", fields...)
 	}
+}
+
+// summarizeErrorKind names why a summarize failed without quoting the
+// summarizer's answer: an error body may echo conversation content, and
+// logs never carry content.
+func summarizeErrorKind(err error) string {
+	var se *summarizer.StatusError
+	var de DialError
+	switch {
+	case errors.As(err, &se):
+		return "status " + strconv.Itoa(se.StatusCode)
+	case errors.As(err, &de):
+		return "connect"
+	case errors.Is(err, context.DeadlineExceeded):
+		return "timeout"
+	case errors.Is(err, context.Canceled):
+		return "canceled"
+	case errors.Is(err, summarizer.ErrEmptySummary), errors.Is(err, compaction.ErrEmptySummary):
+		return "empty summary"
+	case errors.Is(err, compaction.ErrSummaryNotSmaller):
+		return "summary not smaller"
+	case errors.Is(err, summarizer.ErrBadResponse):
+		return "bad response"
+	case errors.Is(err, summarizer.ErrNoModel):
+		return "no model"
+	}
+	return "error"
 }

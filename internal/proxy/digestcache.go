@@ -34,9 +34,8 @@ type digestCache struct {
 }
 
 type digestKey struct {
-	a, b  uint64
-	n     int
-	fresh bool // hashed now, to be remembered (always false in the maps)
+	a, b uint64
+	n    int
 }
 
 func newDigestCache(max int) *digestCache {
@@ -93,6 +92,7 @@ func (c *digestCache) hash(tenant string, msgs []chat.Message) error {
 		return nil
 	}
 	errs := make([]error, len(msgs))
+	fresh := make([]bool, len(msgs)) // hashed now, to be remembered
 	parallel(len(msgs), func(lo, hi int) {
 		for i := lo; i < hi; i++ {
 			m := &msgs[i]
@@ -105,15 +105,13 @@ func (c *digestCache) hash(tenant string, msgs []chat.Message) error {
 				continue
 			}
 			m.Digest, m.HasDigest = d, true
-			keys[i].fresh = true
+			fresh[i] = true
 		}
 	})
 	c.mu.Lock()
 	for i := range msgs {
-		if keys[i].fresh {
-			k := keys[i]
-			k.fresh = false
-			c.put(k, msgs[i].Digest)
+		if fresh[i] {
+			c.put(keys[i], msgs[i].Digest)
 		}
 	}
 	c.mu.Unlock()

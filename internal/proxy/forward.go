@@ -25,9 +25,11 @@ func (s *Server) forwardChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 	ri := infoFrom(ctx)
 	cr.inject = s.injectUsage(cr.req)
 	recovered := false
-	for {
+	for first := true; ; first = false {
 		body := cr.body()
-		s.metrics.Overhead.Observe((time.Since(cr.start) - cr.spent).Seconds())
+		if first { // the recoveries' resends are not overhead of the request path
+			s.metrics.Overhead.Observe((time.Since(cr.start) - cr.spent).Seconds())
+		}
 		upStart := time.Now()
 		resp, err := s.retrier.do(ctx, "chat", func() (*http.Request, error) {
 			req, err := http.NewRequest(http.MethodPost, s.chatURL, cr.pb.reader(body))

@@ -76,10 +76,10 @@ func eventData(ev []byte) []byte {
 }
 
 var (
-	doneData    = []byte("[DONE]")
-	usageKey    = []byte(`"usage"`)
-	timingsKey  = []byte(`"timings"`)
-	errClientGo = errors.New("proxy: client write failed")
+	doneData      = []byte("[DONE]")
+	usageKey      = []byte(`"usage"`)
+	timingsKey    = []byte(`"timings"`)
+	errClientGone = errors.New("proxy: client write failed")
 )
 
 // usageOnly reports whether a chunk is the usage-only chunk that
@@ -140,7 +140,7 @@ func relayEvents(w io.Writer, body io.Reader, hideUsage bool, onUsage func(ancho
 			return nil
 		}
 		if _, err := w.Write(ev); err != nil {
-			return errClientGo
+			return errClientGone
 		}
 		if flusher != nil {
 			flusher.Flush()
