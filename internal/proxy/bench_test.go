@@ -31,27 +31,7 @@ func BenchmarkChatPath(b *testing.B) {
 			w.Header().Set("Content-Type", "application/json")
 			io.WriteString(w, okCompletion)
 		}))
-		cfg := testConfig(up.URL)
-		cfg.Upstream.ContextWindow = 1000000
-		p := newBenchProxy(b, cfg)
-		bare := bareForwarder(up.URL)
-		for _, target := range []struct {
-			name string
-			h    http.Handler
-		}{{"bare", bare}, {"compactproxy", p}} {
-			b.Run(size.name+"/"+target.name, func(b *testing.B) {
-				b.SetBytes(int64(len(body)))
-				for b.Loop() {
-					req := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", bytes.NewReader(body))
-					req.Header.Set("Authorization", "Bearer k")
-					w := httptest.NewRecorder()
-					target.h.ServeHTTP(w, req)
-					if w.Code != 200 {
-						b.Fatalf("status %d: %s", w.Code, w.Body.String())
-					}
-				}
-			})
-		}
+		benchTargets(b, size.name+"/", up.URL, body)
 		up.Close()
 	}
 }
@@ -83,25 +63,7 @@ func BenchmarkStreamPath(b *testing.B) {
 		io.WriteString(w, "data: [DONE]\n\n")
 	}))
 	defer up.Close()
-	cfg := testConfig(up.URL)
-	cfg.Upstream.ContextWindow = 1000000
-	p := newBenchProxy(b, cfg)
-	bare := bareForwarder(up.URL)
-	for _, target := range []struct {
-		name string
-		h    http.Handler
-	}{{"bare", bare}, {"compactproxy", p}} {
-		b.Run(target.name, func(b *testing.B) {
-			for b.Loop() {
-				req := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", bytes.NewReader(body))
-				w := httptest.NewRecorder()
-				target.h.ServeHTTP(w, req)
-				if w.Code != 200 {
-					b.Fatalf("status %d", w.Code)
-				}
-			}
-		})
-	}
+	benchTargets(b, "", up.URL, body)
 }
 
 // bareForwarder is the floor a proxy is compared with: read the body and
@@ -145,6 +107,30 @@ func BenchmarkPairingAgentBodies(b *testing.B) {
 			for b.Loop() {
 				if vs := pairing.Check(compaction.PairingView(req.Messages)); len(vs) != 0 {
 					b.Fatal(vs)
+				}
+			}
+		})
+	}
+}
+
+// benchTargets posts body to the bare forwarder and to compactproxy, both in
+// front of the upstream at upURL, as sub-benchmarks of the same run.
+func benchTargets(b *testing.B, prefix, upURL string, body []byte) {
+	cfg := testConfig(upURL)
+	cfg.Upstream.ContextWindow = 1000000
+	for _, target := range []struct {
+		name string
+		h    http.Handler
+	}{{"bare", bareForwarder(upURL)}, {"compactproxy", newBenchProxy(b, cfg)}} {
+		b.Run(prefix+target.name, func(b *testing.B) {
+			b.SetBytes(int64(len(body)))
+			for b.Loop() {
+				req := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", bytes.NewReader(body))
+				req.Header.Set("Authorization", "Bearer k")
+				w := httptest.NewRecorder()
+				target.h.ServeHTTP(w, req)
+				if w.Code != 200 {
+					b.Fatalf("status %d: %s", w.Code, w.Body.String())
 				}
 			}
 		})

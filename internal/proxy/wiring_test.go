@@ -134,9 +134,11 @@ func TestAnchorHeaders(t *testing.T) {
 	}
 }
 
-// The anchor is recorded before the stream's last byte reaches the client:
-// a request sent the instant the previous stream ended sees it.
-func TestAnchorRecordedBeforeStreamEnds(t *testing.T) {
+// A streamed response records its anchor, and a request sent as soon as the
+// stream ended sees it. (That the report comes before [DONE] is written is
+// proven deterministically by TestUsageReportedBeforeDone; at this level the
+// handler always finishes before the client reads EOF.)
+func TestStreamedResponseAnchorsNextRequest(t *testing.T) {
 	up := streamingUpstream(t)
 	cfg := testConfig(up.URL)
 	cfg.Upstream.ContextWindow = 100000
