@@ -30,6 +30,9 @@ type Metrics struct {
 	InvariantFailures   prometheus.Counter
 	UnknownWindow       prometheus.Counter
 	CompactionErrors    prometheus.Counter
+	// CompactionImpossible counts chat requests whose fixed part alone
+	// (leading system messages, tools, template) is over the budget.
+	CompactionImpossible prometheus.Counter
 }
 
 // New registers the metrics on reg, plus the Go and process collectors.
@@ -73,6 +76,8 @@ func New(reg prometheus.Registerer) *Metrics {
 			Help: "Chat requests for a model whose context window is unknown (not compacted)."}),
 		CompactionErrors: f.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "compaction_errors_total",
 			Help: "Requests forwarded without compaction because compaction failed (fail open)."}),
+		CompactionImpossible: f.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "compaction_impossible_total",
+			Help: "Chat requests over the budget whose fixed part (system messages, tools, template) alone is over it: forwarded as is."}),
 	}
 	// Pre-create the fixed label values so dashboards see zeros.
 	for _, r := range []string{"hit", "miss"} {
