@@ -315,6 +315,10 @@ type Estimate struct {
 	// Suffix is the unscaled local estimate of the messages after the
 	// anchored prefix (equal to Local for SourceLocal).
 	Suffix int
+	// Ratio is the provider tokens per local token this estimate applied
+	// to local counts (the fit's, or the conversation's own): callers use
+	// it to size single messages in provider tokens.
+	Ratio float64
 }
 
 // EstimateView estimates one view (any view: the client's, a re-applied
@@ -370,14 +374,14 @@ func EstimateView(chain []Digest, local []int, anchors []Anchor, fit Fit) Estima
 		}
 		return Estimate{
 			Tokens: a.Input + int(math.Round(float64(suffix)*ratio)), Source: SourceAnchor,
-			PrefixLen: a.PrefixLen, Baseline: a.Input, Local: total, Suffix: suffix,
+			PrefixLen: a.PrefixLen, Baseline: a.Input, Local: total, Suffix: suffix, Ratio: ratio,
 		}
 	}
 	if newest >= 0 {
 		a := anchors[newest]
 		oh := min(fit.overhead(), float64(a.Input)/2)
 		r := min(max((float64(a.Input)-oh)/float64(a.Local), MinRatio), MaxRatio)
-		return Estimate{Tokens: int(math.Round(oh + r*float64(total))), Source: SourceLocal, Local: total, Suffix: total}
+		return Estimate{Tokens: int(math.Round(oh + r*float64(total))), Source: SourceLocal, Local: total, Suffix: total, Ratio: r}
 	}
-	return Estimate{Tokens: fit.Tokens(total), Source: SourceLocal, Local: total, Suffix: total}
+	return Estimate{Tokens: fit.Tokens(total), Source: SourceLocal, Local: total, Suffix: total, Ratio: ratio}
 }

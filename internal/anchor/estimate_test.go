@@ -156,6 +156,7 @@ func TestEstimateView(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			l := local[:len(tt.chain)-1]
+			tt.want.Ratio = Fit{Ratio: tt.ratio}.ratio() // no anchor here records a Local
 			if got := EstimateView(tt.chain, l, tt.anchors, Fit{Ratio: tt.ratio}); got != tt.want {
 				t.Errorf("EstimateView = %+v, want %+v", got, tt.want)
 			}

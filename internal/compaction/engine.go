@@ -287,8 +287,9 @@ type run struct {
 	chain bool // Input.Chain is usable
 	lead  int  // leading system/developer messages
 	tail  int  // start of the protected tail
-	keep  int  // Trim.Keep for new trims
+	keep  int  // Trim.Keep for new trims of step 1
 	scale float64
+	ratio float64 // provider tokens per local token (Estimate.Ratio)
 	st    State
 	ev    Events
 
@@ -313,6 +314,7 @@ func (e *Engine) Compact(ctx context.Context, in Input) Output {
 		chain:    len(in.Chain) == len(in.Messages)+1,
 		keep:     e.cfg.TrimToolResultTokens * bytesPerToken / 2,
 		scale:    1,
+		ratio:    1,
 		st:       in.State.clone(),
 		excerpts: make(map[[2]int]chat.Message),
 		blocks:   make(map[*Summary][]chat.Message),
@@ -368,6 +370,9 @@ func (r *run) compact() Output {
 		view = r.view(p)
 	}
 	out.Context = r.in.Estimate(view)
+	if q := out.Context.Ratio; q > 0 {
+		r.ratio = q
+	}
 	cur := out.Context.Tokens
 	if m := r.in.Measured; m > 0 {
 		if cur > 0 && m > cur {
@@ -550,9 +555,9 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 
 	// 1. Trim tool results outside the leading system messages and the
 	// protected tail, oldest first.
-	if cands := r.trimCandidates(*p, headStart, max(r.tail, headStart)); len(cands) > 0 {
+	if cands := r.trimCandidates(*p, headStart, max(r.tail, headStart), r.long()); len(cands) > 0 {
 		var reached bool
-		cur, reached = r.applyTrims(p, cands, target)
+		cur, reached = r.applyTrims(p, cands, r.keep, target)
 		if reached {
 			return cur
 		}
@@ -576,8 +581,20 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 		if p.sum != nil {
 			start = p.sum.Cut
 		}
-		if cands := r.trimCandidates(*p, start, r.n-1); len(cands) > 0 {
-			cur, _ = r.applyTrims(p, cands, target)
+		if cands := r.trimCandidates(*p, start, r.n-1, r.long()); len(cands) > 0 {
+			cur, _ = r.applyTrims(p, cands, r.keep, target)
+		}
+	}
+	if cur > budget {
+		// Over the budget even so: excerpt any tool result after the
+		// summary but the final message to a short excerpt, before
+		// dropping turns.
+		start := r.lead
+		if p.sum != nil {
+			start = p.sum.Cut
+		}
+		if cands := r.trimCandidates(*p, start, r.n-1, 0); len(cands) > 0 {
+			cur, _ = r.applyTrims(p, cands, tightKeep, budget+1)
 		}
 	}
 	if cur > budget {
@@ -586,14 +603,24 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 	return cur
 }
 
-// trimCandidates lists, oldest first, the long tool results in [from, to)
-// that the plan does not trim or drop yet.
-func (r *run) trimCandidates(p plan, from, to int) []int {
-	limit := r.e.cfg.TrimToolResultTokens
+// tightKeep is the excerpt size (text bytes) of the results excerpted when
+// the view is over the budget, or leaves a summary no room, with results
+// that are not long: a small window (2k–4k tokens with a tools array)
+// cannot hold two whole file reads.
+const tightKeep = 512
+
+// long is the size, in provider tokens, above which a tool result is long
+// (compaction.trim.tool_result_tokens).
+func (r *run) long() int { return r.e.cfg.TrimToolResultTokens }
+
+// trimCandidates lists, oldest first, the tool results in [from, to)
+// longer than limit provider tokens (measured as the local size of their
+// text times the estimate's ratio) that the plan does not trim or drop yet.
+func (r *run) trimCandidates(p plan, from, to, limit int) []int {
 	var out []int
 	for i := max(from, r.lead); i < to && i < r.n; i++ {
 		m := &r.msgs[i]
-		if !trimmable(m) || textTokens(m) <= limit {
+		if !trimmable(m) || float64(textTokens(m))*r.ratio <= float64(limit) {
 			continue
 		}
 		if _, done := p.trims[i]; done {
@@ -602,18 +629,18 @@ func (r *run) trimCandidates(p plan, from, to int) []int {
 		if p.dropped(i) {
 			continue
 		}
-		if _, ok := r.trimmed(i, r.keep); ok {
+		if _, ok := r.trimmed(i, min(r.keep, max(limit*bytesPerToken/2, tightKeep))); ok {
 			out = append(out, i)
 		}
 	}
 	return out
 }
 
-// applyTrims adds the fewest leading candidates that bring the view below
-// target (all of them when none does) and returns the new estimate and
-// whether the target was reached.
-func (r *run) applyTrims(p *plan, cands []int, target int) (int, bool) {
-	all := p.withTrims(cands, r.keep)
+// applyTrims adds the fewest leading candidates, excerpted to keep bytes,
+// that bring the view below target (all of them when none does) and
+// returns the new estimate and whether the target was reached.
+func (r *run) applyTrims(p *plan, cands []int, keep, target int) (int, bool) {
+	all := p.withTrims(cands, keep)
 	estAll := r.est(r.view(all))
 	if estAll >= target {
 		*p = all
@@ -624,13 +651,13 @@ func (r *run) applyTrims(p *plan, cands []int, target int) (int, bool) {
 	lo, hi, hiEst := 1, len(cands), estAll
 	for lo < hi {
 		mid := (lo + hi) / 2
-		if e := r.est(r.view(p.withTrims(cands[:mid], r.keep))); e < target {
+		if e := r.est(r.view(p.withTrims(cands[:mid], keep))); e < target {
 			hi, hiEst = mid, e
 		} else {
 			lo = mid + 1
 		}
 	}
-	*p = p.withTrims(cands[:hi], r.keep)
+	*p = p.withTrims(cands[:hi], keep)
 	return hiEst, true
 }
 
@@ -712,8 +739,8 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 	if room < cfg.SummaryMinTokens {
 		// Excerpt the tail's oldest long tool results (never the final
 		// message) and measure again; then accept the budget.
-		if cands := r.trimCandidates(base, cut, r.n-1); len(cands) > 0 {
-			r.applyTrims(&base, cands, target-cfg.SummaryMinTokens)
+		if cands := r.trimCandidates(base, cut, r.n-1, 0); len(cands) > 0 {
+			r.applyTrims(&base, cands, tightKeep, target-cfg.SummaryMinTokens)
 			room = target - r.est(r.view(base))
 		}
 		if room < cfg.SummaryMinTokens {
@@ -823,63 +850,62 @@ func (r *run) dropTurns(p *plan, cur, budget, target int) int {
 	if len(units) == 0 {
 		return cur
 	}
-	headUnits := 0
-	for headUnits < len(units) && units[headUnits].to <= r.tail {
-		headUnits++
+	// The drop sets, oldest units first: each adds the next unit unless
+	// that would bring two user or two assistant messages together (the
+	// unit is kept then, and later ones may still go).
+	valid := func(q plan) bool {
+		for _, d := range q.drops {
+			before, after := r.roleBefore(q, d.From), r.msgs[d.To].Role
+			if (before == "user" || before == "assistant") && before == after {
+				return false
+			}
+		}
+		return true
 	}
-	// with drops the k oldest units, merged into ranges; ok is false when
-	// a range would bring two user or two assistant messages together.
-	with := func(k int) (plan, bool) {
+	var sets []plan // sets[k] drops k+1 units
+	headSets := 0
+	var chosen []dropUnit
+	for _, u := range units {
+		try := append(slices.Clone(chosen), u)
 		q := *p
 		q.drops = nil
-		for _, u := range units[:k] {
-			if m := len(q.drops); m > 0 && q.drops[m-1].To == u.from {
-				q.drops[m-1].To = u.to
+		for _, c := range try {
+			if m := len(q.drops); m > 0 && q.drops[m-1].To == c.from {
+				q.drops[m-1].To = c.to
 				continue
 			}
-			q.drops = append(q.drops, Drop{From: u.from, To: u.to})
+			q.drops = append(q.drops, Drop{From: c.from, To: c.to})
 		}
-		for i := range q.drops {
-			d := &q.drops[i]
-			if r.chain {
-				d.Prefix = r.in.Chain[d.To]
-			}
-			before := r.roleBefore(q, d.From)
-			after := r.msgs[d.To].Role
-			if (before == "user" || before == "assistant") && before == after {
-				return q, false
+		if !valid(q) {
+			continue
+		}
+		if r.chain {
+			for i := range q.drops {
+				q.drops[i].Prefix = r.in.Chain[q.drops[i].To]
 			}
 		}
-		return q, true
+		chosen = try
+		sets = append(sets, q)
+		if u.to <= r.tail {
+			headSets = len(sets)
+		}
 	}
-	// pick returns the fewest units (among the first limit) whose drop is
-	// valid and brings the view to goal or below, else the most that are
-	// valid; ok is false when no drop is valid.
-	pick := func(limit, goal int) (plan, int, bool) {
-		lo, hi := 1, limit
-		for lo < hi { // the estimate falls as more units are dropped
+	// pick returns the first of sets[:limit] whose view is at goal or
+	// below, else the last (the estimate falls as more units go).
+	pick := func(limit, goal int) (plan, int) {
+		lo, hi := 0, limit-1
+		for lo < hi {
 			mid := (lo + hi) / 2
-			q, _ := with(mid)
-			if r.est(r.view(q)) <= goal {
+			if r.est(r.view(sets[mid])) <= goal {
 				hi = mid
 			} else {
 				lo = mid + 1
 			}
 		}
-		for k := lo; k <= limit; k++ {
-			if q, ok := with(k); ok {
-				return q, r.est(r.view(q)), true
-			}
-		}
-		for k := lo - 1; k >= 1; k-- {
-			if q, ok := with(k); ok {
-				return q, r.est(r.view(q)), true
-			}
-		}
-		return plan{}, 0, false
+		return sets[lo], r.est(r.view(sets[lo]))
 	}
-	if headUnits > 0 {
-		if q, e, ok := pick(headUnits, target-1); ok && e < cur {
+	if headSets > 0 {
+		if q, e := pick(headSets, target-1); e < cur {
 			*p, cur = q, e
 			r.newDrop = true
 			if cur <= budget {
@@ -887,8 +913,8 @@ func (r *run) dropTurns(p *plan, cur, budget, target int) int {
 			}
 		}
 	}
-	if len(units) > headUnits {
-		if q, e, ok := pick(len(units), budget); ok && e < cur {
+	if len(sets) > headSets {
+		if q, e := pick(len(sets), budget); e < cur {
 			*p, cur = q, e
 			r.newDrop = true
 		}

@@ -532,7 +532,7 @@ func TestDrop(t *testing.T) {
 	cfg := baseConfig()
 	cfg.SummarizerEnabled = false
 	s := &session{tb: t, e: New(cfg, nil, newClock()), win: 10000}
-	conv := agentSteps(30, 1500)
+	conv := agentSteps(100, 400) // results too short to excerpt: only a drop helps
 	for step := 0; step < 5; step++ {
 		msgs := parse(t, conv)
 		out := s.step(msgs)
@@ -550,7 +550,7 @@ func TestDrop(t *testing.T) {
 			t.Fatalf("step %d: drops %+v", step, d)
 		}
 		id := fmt.Sprintf("n%d", step)
-		conv = append(conv, callMsg("", id+`:edit:{}`), toolMsg(id, blob(id, 1500)))
+		conv = append(conv, callMsg("", id+`:edit:{}`), toolMsg(id, blob(id, 400)))
 	}
 }
 

@@ -169,7 +169,7 @@ func checkProperties(t *testing.T, seed int64, keepTail, mode int) {
 				break
 			}
 		}
-		if mode != 0 || fakeEstimate(msgs[:lead]).Tokens+fakeEstimate(msgs[tail:]).Tokens+cfg.SummaryTokens+askTokens+100 >= out.Target {
+		if mode != 0 || fakeEstimate(msgs[:lead]).Tokens+fakeEstimate(msgs[tail:]).Tokens+max(cfg.SummaryTokens, DefaultSummaryMinTokens)+len(summaryLabel)/4+askTokens+100 >= out.Target {
 			for i := tail; i < len(msgs); i++ {
 				allowed[i] = true
 			}

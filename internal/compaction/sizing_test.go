@@ -97,8 +97,8 @@ func TestIncrementalHead(t *testing.T) {
 func TestDropKeepsTaskAndInstruction(t *testing.T) {
 	cfg := baseConfig()
 	cfg.SummarizerEnabled = false
-	s := &session{tb: t, e: New(cfg, nil, newClock()), win: 8000}
-	conv := agentSteps(12, 900)
+	s := &session{tb: t, e: New(cfg, nil, newClock()), win: 4000}
+	conv := agentSteps(12, 400) // results too short to excerpt
 	instr := userMsg("now also add a unit test for the retry")
 	conv = append(conv, instr)
 	conv = append(conv, asstMsg("will do"))
@@ -128,7 +128,7 @@ func TestDropKeepsTaskAndInstruction(t *testing.T) {
 			}
 		}
 		id := fmt.Sprintf("d%d", step)
-		conv = append(conv, callMsg("", id+`:read:{}`), toolMsg(id, blob(id, 900)))
+		conv = append(conv, callMsg("", id+`:read:{}`), toolMsg(id, blob(id, 400)))
 	}
 	if !dropped {
 		t.Fatal("nothing was dropped: the test does not reach step 4")
