@@ -292,6 +292,9 @@ func TestRealAgentThroughCompactproxy(t *testing.T) {
 		// Half the window: a quarter is reserved for output (DESIGN §
 		// Budget), the rest is the conversation's.
 		{"max_tokens_half_window", window / 2},
+		// The whole window, as the agent in issue 8 sent max_tokens 32000
+		// to a 32k model: reserved output is still capped at a quarter.
+		{"max_tokens_whole_window", window},
 	} {
 		t.Run(tc.name, func(t *testing.T) { testAgent(t, root, bin, tc.maxTokens) })
 	}
