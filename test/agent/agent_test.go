@@ -404,6 +404,9 @@ func testAgent(t *testing.T, root, bin string, maxTokens int) {
 			if err != nil {
 				t.Fatal(err)
 			}
+			if len(byTurn[tr.N]) == 0 {
+				t.Errorf("turn %d never reached the upstream as an agent request (with tools, tool_choice not none)", tr.N)
+			}
 			for _, u := range byTurn[tr.N] {
 				got, err := chat.Parse(u.Body)
 				if err != nil {

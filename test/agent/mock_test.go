@@ -233,8 +233,11 @@ func (m *mockModel) serve(w http.ResponseWriter, r *http.Request) {
 		rec.MaxTokens, rec.MaxField = *v.MaxTokens, "max_tokens"
 	}
 	// A summarize call: compactproxy's own request (no turn header), or one
-	// that forbids tools while extending the agent's prefix.
-	rec.Summarize = rec.Turn < 0 || string(bytes.TrimSpace(v.ToolChoice)) == `"none"`
+	// without tools or forbidding them (DESIGN: a summarize request that
+	// extends the agent's prefix carries its tools with tool_choice none).
+	// The agent always declares tools; a turn that reaches the mock only in
+	// this shape is reported by the test as a turn never forwarded.
+	rec.Summarize = rec.Turn < 0 || len(v.Tools) == 0 || string(bytes.TrimSpace(v.ToolChoice)) == `"none"`
 	rec.Pairing, err = pairingOf(body)
 	if err != nil {
 		rec.Problems = append(rec.Problems, "internal/chat cannot parse the body: "+err.Error())
