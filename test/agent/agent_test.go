@@ -285,6 +285,43 @@ func TestRealAgentThroughCompactproxy(t *testing.T) {
 	ensureAgentDeps(t, root)
 	bin := buildBinary(t, root)
 
+	// The agent straight at the mock (through the recorder, which numbers
+	// its requests), with a window nothing overflows: the reference that
+	// the agent, its config and the script work without compactproxy.
+	ok := t.Run("reference_without_proxy", func(t *testing.T) {
+		project, files := writeProject(t)
+		mock := newMockModel(t, 1<<20, task, finalText, files)
+		rec := newRecorder(t, mock.srv.URL)
+		run := runAgent(t, root, project, rec.srv.URL+"/v1", window/2)
+		turns, _ := rec.snapshot()
+		ups := mock.requests()
+		t.Logf("agent ran %v, exit: %v; %d requests; without compaction the conversation reaches %d tokens at the mock's rate (the cases' window: %d)",
+			run.elapsed.Round(time.Millisecond), run.err, len(turns), maxPrompt(ups), window)
+		if run.err != nil || !strings.Contains(run.stdout, finalText) {
+			t.Errorf("agent exited %v without the final answer\nstdout: %s\nstderr: %s", run.err, tail(run.stdout, 2000), tail(run.stderr, 2000))
+		}
+		if len(run.guard) > 0 {
+			t.Errorf("the agent tried to reach past loopback (refused): %v", run.guard)
+		}
+		for i, u := range ups {
+			if u.Summarize {
+				t.Errorf("upstream request %d taken for a summarize call", i)
+			}
+			for _, p := range u.Problems {
+				t.Errorf("upstream request %d: %s", i, p)
+			}
+			for _, v := range u.Pairing {
+				t.Errorf("upstream request %d: %s", i, v.Message())
+			}
+		}
+		if maxPrompt(ups) <= window {
+			t.Errorf("the conversation reaches only %d tokens: it would fit the %d window uncompacted", maxPrompt(ups), window)
+		}
+	})
+	if !ok {
+		t.Fatal("the agent fails against the mock without compactproxy: fix the agent's setup or the mock before blaming the proxy")
+	}
+
 	for _, tc := range []struct {
 		name      string
 		maxTokens int
