@@ -179,8 +179,10 @@ type agentRun struct {
 // runAgent runs pi in print mode in project, with its provider pointed at
 // baseURL: an "openai-completions" provider whose one model has a large
 // contextWindow for pi itself (pi's own compaction is also switched off, so
-// compacting is left to compactproxy) and maxTokens as given.
-func runAgent(t *testing.T, root, project, baseURL string, maxTokens int) agentRun {
+// compacting is left to compactproxy) and maxTokens as given, sent in the
+// request field maxField (pi's compat.maxTokensField: "max_completion_tokens",
+// its default, or "max_tokens").
+func runAgent(t *testing.T, root, project, baseURL string, maxTokens int, maxField string) agentRun {
 	t.Helper()
 	home := t.TempDir()
 	agentDir := filepath.Join(home, ".pi", "agent")
@@ -195,6 +197,7 @@ func runAgent(t *testing.T, root, project, baseURL string, maxTokens int) agentR
 			"supportsDeveloperRole":   false, // a plain "system" message, as local servers want
 			"supportsReasoningEffort": false,
 			"supportsStore":           false,
+			"maxTokensField":          maxField,
 		},
 		"models": []any{map[string]any{
 			"id": "mock-model", "name": "mock-model", "reasoning": false, "input": []string{"text"},
@@ -292,7 +295,7 @@ func TestRealAgentThroughCompactproxy(t *testing.T) {
 		project, files := writeProject(t)
 		mock := newMockModel(t, 1<<20, task, finalText, files)
 		rec := newRecorder(t, mock.srv.URL)
-		run := runAgent(t, root, project, rec.srv.URL+"/v1", window/2)
+		run := runAgent(t, root, project, rec.srv.URL+"/v1", window/2, "max_completion_tokens")
 		turns, _ := rec.snapshot()
 		ups := mock.requests()
 		t.Logf("agent ran %v, exit: %v; %d requests; without compaction the conversation reaches %d tokens at the mock's rate (the cases' window: %d)",
@@ -325,19 +328,20 @@ func TestRealAgentThroughCompactproxy(t *testing.T) {
 	for _, tc := range []struct {
 		name      string
 		maxTokens int
+		maxField  string
 	}{
 		// Half the window: a quarter is reserved for output (DESIGN §
 		// Budget), the rest is the conversation's.
-		{"max_tokens_half_window", window / 2},
+		{"max_tokens_half_window", window / 2, "max_completion_tokens"},
 		// The whole window, as the agent in issue 8 sent max_tokens 32000
 		// to a 32k model: reserved output is still capped at a quarter.
-		{"max_tokens_whole_window", window},
+		{"max_tokens_whole_window", window, "max_tokens"},
 	} {
-		t.Run(tc.name, func(t *testing.T) { testAgent(t, root, bin, tc.maxTokens) })
+		t.Run(tc.name, func(t *testing.T) { testAgent(t, root, bin, tc.maxTokens, tc.maxField) })
 	}
 }
 
-func testAgent(t *testing.T, root, bin string, maxTokens int) {
+func testAgent(t *testing.T, root, bin string, maxTokens int, maxField string) {
 	project, files := writeProject(t)
 	mock := newMockModel(t, window, task, finalText, files)
 	proxy := startProxy(t, bin, mock.baseURL(),
@@ -345,7 +349,7 @@ func testAgent(t *testing.T, root, bin string, maxTokens int) {
 	)
 	rec := newRecorder(t, proxy.url)
 
-	run := runAgent(t, root, project, rec.srv.URL+"/v1", maxTokens)
+	run := runAgent(t, root, project, rec.srv.URL+"/v1", maxTokens, maxField)
 	turns, recOthers := rec.snapshot()
 	ups := mock.requests()
 	t.Logf("agent ran %v, exit: %v; %d agent requests, %d upstream requests", run.elapsed.Round(time.Millisecond), run.err, len(turns), len(ups))
@@ -407,6 +411,9 @@ func testAgent(t *testing.T, root, bin string, maxTokens int) {
 			cr, err := chat.Parse(tr.Body)
 			if err != nil {
 				t.Fatalf("agent request %d: %v", tr.N, err)
+			}
+			if field(cr, maxField) == nil {
+				t.Errorf("agent request %d: no %s field (the scenario configures pi to send it)", tr.N, maxField)
 			}
 			if cr.MaxTokens < window/4 {
 				t.Errorf("agent request %d: max tokens %d, want >= window/4 = %d (the scenario needs it)", tr.N, cr.MaxTokens, window/4)
