@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Installs the real-agent end-to-end test's npm dependencies (the pi coding
+# agent CLI, @mariozechner/pi-coding-agent, pinned with everything it pulls in
+# by test/agent/package-lock.json) into test/agent/node_modules.
+#
+# Idempotent: when node_modules already holds exactly the lockfile's version of
+# every package it pins, nothing is fetched. Otherwise `npm ci` installs from
+# the committed lockfile (never `npm install`: the lockfile is the contract,
+# and ci refuses a lockfile that disagrees with package.json). The packages'
+# install scripts are not run (--ignore-scripts): the agent needs none of them
+# for what the test does, and nothing is fetched beyond the registry.
+#
+# test/agent/agent_test.go runs this script itself when node_modules is
+# missing or stale, so `go test ./...` works on a fresh machine that has npm.
+# A copy of scripts/e2e-deps.sh for another directory, kept separate so the
+# two tests' dependencies never mix.
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+dir="$root/test/agent"
+
+if ! command -v node >/dev/null 2>&1; then
+	echo "agent-deps: node is not installed (need Node.js >= 20.6 and npm for the real-agent end-to-end test)" >&2
+	exit 127
+fi
+if ! command -v npm >/dev/null 2>&1; then
+	echo "agent-deps: npm is not installed (need npm to install the agent CLI for the real-agent end-to-end test)" >&2
+	exit 127
+fi
+
+# The agent's package.json asks for node >= 20.6.
+if ! node -e 'const [a,b]=process.versions.node.split(".").map(Number); process.exit(a>20||(a===20&&b>=6)?0:1)'; then
+	echo "agent-deps: node $(node --version) is too old; the real-agent end-to-end test needs Node.js >= 20.6" >&2
+	exit 1
+fi
+
+# installed_matches prints nothing and succeeds when every package the lockfile
+# pins is present in node_modules with the pinned version.
+installed_matches() {
+	(cd "$dir" && node --input-type=module -e '
+import { readFileSync, existsSync } from "node:fs";
+const lock = JSON.parse(readFileSync("package-lock.json", "utf8"));
+let ok = true;
+for (const [path, meta] of Object.entries(lock.packages ?? {})) {
+	if (path === "" || meta.optional || meta.dev) continue;
+	const pj = path + "/package.json";
+	if (!existsSync(pj)) { console.error(`missing ${path}`); ok = false; continue; }
+	const v = JSON.parse(readFileSync(pj, "utf8")).version;
+	if (v !== meta.version) { console.error(`${path}: have ${v}, lockfile pins ${meta.version}`); ok = false; }
+}
+process.exit(ok ? 0 : 1);
+' 2>/dev/null)
+}
+
+if [ -d "$dir/node_modules" ] && installed_matches; then
+	echo "agent-deps: test/agent/node_modules is up to date with package-lock.json"
+	exit 0
+fi
+
+echo "agent-deps: installing test/agent dependencies with npm ci"
+(cd "$dir" && npm ci --no-audit --no-fund --ignore-scripts --loglevel=error)
+installed_matches || { echo "agent-deps: npm ci finished but node_modules does not match package-lock.json" >&2; exit 1; }
+echo "agent-deps: done"
