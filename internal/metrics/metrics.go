@@ -6,6 +6,7 @@ package metrics
 
 import (
 	"strconv"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -30,6 +31,13 @@ type Metrics struct {
 	InvariantFailures   prometheus.Counter
 	UnknownWindow       prometheus.Counter
 	CompactionErrors    prometheus.Counter
+	// ForwardedTokens is the estimate of what was forwarded, observed with
+	// ContextTokens: the difference of their sums is the tokens compaction
+	// saved (dashboards: "tokens saved").
+	ForwardedTokens prometheus.Histogram
+	// SummarizeDuration times the compaction steps that called the
+	// summarizer (every chunk of one summary), by result.
+	SummarizeDuration *prometheus.HistogramVec // result
 }
 
 // New registers the metrics on reg, plus the Go and process collectors.
@@ -73,6 +81,12 @@ func New(reg prometheus.Registerer) *Metrics {
 			Help: "Chat requests for a model whose context window is unknown (not compacted)."}),
 		CompactionErrors: f.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "compaction_errors_total",
 			Help: "Requests forwarded without compaction because compaction failed (fail open)."}),
+		ForwardedTokens: f.NewHistogram(prometheus.HistogramOpts{Namespace: ns, Name: "forwarded_tokens",
+			Help:    "Estimated tokens of the chat requests as forwarded (after compaction); observed with context_tokens.",
+			Buckets: prometheus.ExponentialBuckets(256, 2, 12)}),
+		SummarizeDuration: f.NewHistogramVec(prometheus.HistogramOpts{Namespace: ns, Name: "summarize_duration_seconds",
+			Help:    "Time of the compaction steps that called the summarizer (all chunks of one summary), by result.",
+			Buckets: prometheus.ExponentialBuckets(0.05, 2, 12)}, []string{"result"}),
 	}
 	// Pre-create the fixed label values so dashboards see zeros.
 	for _, r := range []string{"hit", "miss"} {
@@ -83,6 +97,7 @@ func New(reg prometheus.Registerer) *Metrics {
 	}
 	for _, r := range []string{"success", "failure"} {
 		m.Summarize.WithLabelValues(r)
+		m.SummarizeDuration.WithLabelValues(r)
 	}
 	for _, r := range []string{"latch", "throttle"} {
 		m.SummarizeSuppressed.WithLabelValues(r)
@@ -91,6 +106,15 @@ func New(reg prometheus.Registerer) *Metrics {
 		m.Compactions.WithLabelValues(a)
 	}
 	return m
+}
+
+// ObserveSummarize records how long a summarizing compaction step took.
+func (m *Metrics) ObserveSummarize(ok bool, d time.Duration) {
+	result := "failure"
+	if ok {
+		result = "success"
+	}
+	m.SummarizeDuration.WithLabelValues(result).Observe(d.Seconds())
 }
 
 // Code formats an HTTP status for the code label.

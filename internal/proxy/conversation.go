@@ -254,6 +254,9 @@ func (s *Server) compact(ctx context.Context, r *http.Request, cv *conversation,
 	}
 	if o.commit {
 		s.countCompaction(reqID, out)
+		if out.Events.SummarizeCalled {
+			s.metrics.ObserveSummarize(out.Events.SummarizeOK, spent)
+		}
 		if out.StateChanged {
 			if err := s.store.Save(ctx, cv.key, out.State); err != nil {
 				s.log.Warn("state save failed", zap.String("request_id", reqID), zap.Error(err))
@@ -313,6 +316,7 @@ func (s *Server) prepareChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 			s.metrics.AnchorLookups.WithLabelValues("miss").Inc()
 		}
 		s.metrics.ContextTokens.Observe(float64(out.Context.Tokens))
+		s.metrics.ForwardedTokens.Observe(float64(out.Forwarded))
 	}
 	run(ctx)
 	cr.recompact = func(ctx context.Context, info overflowInfo) bool {
