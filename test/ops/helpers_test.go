@@ -156,22 +156,6 @@ func (p *process) waitHTTP(t *testing.T, url string, within time.Duration) {
 	}
 }
 
-// buildProxy builds cmd/compactproxy the way `make build` and the Dockerfile
-// do (static, CGO off) into a temp dir.
-func buildProxy(t *testing.T, root string) string {
-	t.Helper()
-	bin := filepath.Join(t.TempDir(), "compactproxy")
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-o", bin, "./cmd/compactproxy")
-	cmd.Dir = root
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("go build ./cmd/compactproxy: %v\n%s", err, out)
-	}
-	return bin
-}
-
 // run runs a short command and returns its combined output.
 func run(t *testing.T, dir, bin string, args ...string) (string, error) {
 	t.Helper()
