@@ -35,6 +35,9 @@ func skipOrFail(t *testing.T, format string, args ...any) {
 	t.Skipf(format, args...)
 }
 
+// lookTool finds a binary of Debian's prometheus package.
+func lookTool(name string) (string, error) { return exec.LookPath(name) }
+
 // needTool returns the path of a binary from Debian's prometheus package.
 func needTool(t *testing.T, name string) string {
 	t.Helper()
