@@ -58,7 +58,7 @@ func BenchmarkViewChain1MiB(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		if e := EstimateView(chain, local, anchors, 1.3); e.PrefixLen != 998 {
+		if e := EstimateView(chain, local, anchors, Fit{Ratio: 1.3}); e.PrefixLen != 998 {
 			b.Fatal(e)
 		}
 	}
@@ -70,7 +70,7 @@ func BenchmarkEstimateView(b *testing.B) {
 	chain, local, _ := ViewChain(Seed("up/m", nil), msgs, nil)
 	anchors := []Anchor{{PrefixLen: 998, Prefix: chain[998], Input: 300000}, {PrefixLen: 996, Prefix: chain[996]}, {PrefixLen: 500, Prefix: chain[500]}, {PrefixLen: 3, Prefix: chain[2]}}
 	for b.Loop() {
-		EstimateView(chain, local, anchors, 1.3)
+		EstimateView(chain, local, anchors, Fit{Ratio: 1.3})
 	}
 }
 

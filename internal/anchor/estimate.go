@@ -2,7 +2,6 @@ package anchor
 
 import (
 	"math"
-	"slices"
 	"sync"
 
 	"github.com/compactproxy/compactproxy/internal/chat"
@@ -19,17 +18,22 @@ type Anchor struct {
 	Input     int
 	Output    int
 	At        int64
+	// Local is the local estimate of the whole measured view (0 = not
+	// recorded): with Input it is the conversation's own calibration
+	// evidence for views that share no prefix with it.
+	Local int
 }
 
 // NewAnchor records a measurement for the view whose chain is chain (as
 // returned by ViewChain for the forwarded messages): the prefix is the whole
-// view. ok is false when the usage reports no input or the view is empty.
-func NewAnchor(chain []Digest, u Usage, at int64) (Anchor, bool) {
+// view, whose local estimate is local. ok is false when the usage reports no
+// input or the view is empty.
+func NewAnchor(chain []Digest, u Usage, at int64, local int) (Anchor, bool) {
 	n := len(chain) - 1
 	if n < 1 || !u.HasInput {
 		return Anchor{}, false
 	}
-	return Anchor{PrefixLen: n, Prefix: chain[n], Input: u.Input, Output: u.Output, At: at}, true
+	return Anchor{PrefixLen: n, Prefix: chain[n], Input: u.Input, Output: u.Output, At: at, Local: local}, true
 }
 
 // LocalEstimator estimates the tokens one message adds to the prompt
@@ -99,7 +103,7 @@ func (byteEstimator) Tokens(m *chat.Message) int {
 		max(m.MediaParts, 0)*MediaPartTokens
 }
 
-// Bounds of a calibration ratio (reported ÷ local).
+// Bounds of a calibration ratio (provider tokens per local token).
 const (
 	MinRatio = 0.5
 	MaxRatio = 4.0
@@ -108,15 +112,53 @@ const (
 // DefaultMaxModels bounds a Calibration's memory when NewCalibration gets 0.
 const DefaultMaxModels = 256
 
-// calibrationWindow is how many recent ratios a model keeps; the ratio is
-// their median, so one odd request (a huge image, a request the template
-// renders unusually) does not move it.
-const calibrationWindow = 15
+// calibrationWindow is how many recent (reported, local) pairs a model
+// keeps for its fit.
+const calibrationWindow = 32
 
-// Calibration learns, per model identity, the ratio of provider-reported
-// input to the local estimate of the same view. It is statistics about a
-// tokenizer and a chat template, shared across tenants. Safe for concurrent
-// use; the zero value is ready (DefaultMaxModels).
+// minSpread is the relative spread of the pairs' local sizes, (max − min)
+// ÷ max, below which the overhead is not refitted: pairs of nearly one size
+// cannot tell a fixed cost from a per-token one (their noise would move the
+// intercept by hundreds of tokens).
+const minSpread = 0.3
+
+// Fit is a model identity's calibration: a view whose local estimate is L
+// costs about Overhead + Ratio × L provider tokens. Overhead is what a
+// request costs beyond its messages (the tools array, the chat template's
+// own text); Ratio is the tokenizer's tokens per local token. The zero
+// value means "nothing learned" and estimates as Overhead 0, Ratio 1.
+type Fit struct {
+	Overhead float64
+	Ratio    float64
+}
+
+// ratio is f.Ratio clamped to [MinRatio, MaxRatio] (1 when unset or NaN).
+func (f Fit) ratio() float64 {
+	r := f.Ratio
+	if !(r > 0) {
+		return 1
+	}
+	return min(max(r, MinRatio), MaxRatio)
+}
+
+func (f Fit) overhead() float64 {
+	if !(f.Overhead > 0) {
+		return 0
+	}
+	return f.Overhead
+}
+
+// Tokens is the fit's estimate of a view whose local estimate is local.
+func (f Fit) Tokens(local int) int {
+	return int(math.Round(f.overhead() + f.ratio()*float64(local)))
+}
+
+// Calibration learns, per model identity, the Fit of provider-reported
+// input against the local estimate of the same whole views: a small
+// least-squares fit over a bounded window of recent pairs (DESIGN.md §
+// Anchors). It is statistics about a tokenizer and a chat template, shared
+// across tenants. Safe for concurrent use; the zero value is ready
+// (DefaultMaxModels).
 //
 // Memory is bounded: at most max model identities (each a fixed window);
 // when full, the identity observed least recently is forgotten. Since the
@@ -127,14 +169,16 @@ type Calibration struct {
 	mu     sync.RWMutex
 	max    int
 	tick   uint64
-	models map[string]*modelRatio
+	models map[string]*modelFit
 }
 
-type modelRatio struct {
-	recent [calibrationWindow]float64
+type pair struct{ local, reported float64 }
+
+type modelFit struct {
+	recent [calibrationWindow]pair
 	n      int // filled entries of recent
 	next   int // ring position
-	ratio  float64
+	fit    Fit
 	seen   uint64
 }
 
@@ -144,19 +188,17 @@ func NewCalibration(maxModels int) *Calibration {
 	return &Calibration{max: maxModels}
 }
 
-// Observe records one pair for model: tokens the provider reported and the
-// local estimate of the same messages (see ObserveEstimate, which picks the
-// pair). Pairs with a non-positive side are ignored; each ratio is clamped
-// to [MinRatio, MaxRatio].
+// Observe records one pair for model: the input the provider reported for
+// a whole view and the local estimate of the same view. Pairs with a
+// non-positive side are ignored.
 func (c *Calibration) Observe(model string, reported, local int) {
 	if reported <= 0 || local <= 0 {
 		return
 	}
-	r := min(max(float64(reported)/float64(local), MinRatio), MaxRatio)
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.models == nil {
-		c.models = make(map[string]*modelRatio)
+		c.models = make(map[string]*modelFit)
 	}
 	c.tick++
 	m := c.models[model]
@@ -168,22 +210,53 @@ func (c *Calibration) Observe(model string, reported, local int) {
 		for len(c.models) >= limit {
 			c.evictOldest()
 		}
-		m = &modelRatio{}
+		m = &modelFit{}
 		c.models[model] = m
 	}
 	m.seen = c.tick
-	m.recent[m.next] = r
+	m.recent[m.next] = pair{local: float64(local), reported: float64(reported)}
 	m.next = (m.next + 1) % calibrationWindow
 	m.n = min(m.n+1, calibrationWindow)
-	var buf [calibrationWindow]float64
-	w := buf[:m.n]
-	copy(w, m.recent[:m.n])
-	slices.Sort(w)
-	if m.n%2 == 1 {
-		m.ratio = w[m.n/2]
-	} else {
-		m.ratio = (w[m.n/2-1] + w[m.n/2]) / 2
+	m.fit = fitPairs(m.recent[:m.n], m.fit.Overhead)
+}
+
+// fitPairs fits reported = overhead + ratio × local by least squares. When
+// the pairs' sizes are too close to separate the two (or the fit leaves
+// the bounds), the previous overhead is kept and only the ratio is fitted
+// through it; the overhead is never negative and the ratio stays within
+// [MinRatio, MaxRatio].
+func fitPairs(ps []pair, prevOverhead float64) Fit {
+	var sl, sr, lo, hi float64
+	lo = math.Inf(1)
+	for _, p := range ps {
+		sl += p.local
+		sr += p.reported
+		lo, hi = min(lo, p.local), max(hi, p.local)
 	}
+	n := float64(len(ps))
+	ml, mr := sl/n, sr/n
+	if len(ps) >= 3 && hi > 0 && (hi-lo)/hi >= minSpread {
+		var cov, vr float64
+		for _, p := range ps {
+			cov += (p.local - ml) * (p.reported - mr)
+			vr += (p.local - ml) * (p.local - ml)
+		}
+		if vr > 0 {
+			b := cov / vr
+			a := mr - b*ml
+			if b >= MinRatio && b <= MaxRatio && a >= 0 {
+				return Fit{Overhead: a, Ratio: b}
+			}
+		}
+	}
+	// Ratio through a fixed overhead: mean of (reported − a) ÷ local.
+	a := max(prevOverhead, 0)
+	var sum float64
+	for _, p := range ps {
+		sum += (p.reported - a) / p.local
+	}
+	b := min(max(sum/n, MinRatio), MaxRatio)
+	return Fit{Overhead: a, Ratio: b}
 }
 
 func (c *Calibration) evictOldest() {
@@ -197,38 +270,27 @@ func (c *Calibration) evictOldest() {
 	delete(c.models, oldest)
 }
 
-// minMarginalTokens: an anchored view whose messages after the anchor are
-// estimated below this is not observed (a handful of tokens gives a noisy
-// ratio; a retry of the same view has none).
-const minMarginalTokens = 16
-
 // ObserveEstimate records the provider's reported input for a forwarded
-// view whose estimate was est. For an anchored estimate it observes the
-// marginal pair (reported − Baseline, Suffix): the tokens the provider
-// counted for the messages after the anchor against their local estimate,
-// which is the ratio EstimateView applies to those messages and is free of
-// the fixed scaffolding (tools, template) that whole-view pairs carry. For
-// a local estimate it observes the whole view (reported, Local).
+// view whose estimate was est: the whole view's pair (reported, Local),
+// whatever the estimate's source (the fit needs whole views to tell the
+// fixed cost of a request from its per-token cost).
 func (c *Calibration) ObserveEstimate(model string, est Estimate, reported int) {
-	if est.Source == SourceAnchor {
-		if est.Suffix >= minMarginalTokens {
-			c.Observe(model, reported-est.Baseline, est.Suffix)
-		}
-		return
-	}
 	c.Observe(model, reported, est.Local)
+}
+
+// Fit is model's learned fit (the zero Fit until the first observation).
+func (c *Calibration) Fit(model string) Fit {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	if m := c.models[model]; m != nil && m.n > 0 {
+		return m.fit
+	}
+	return Fit{}
 }
 
 // Ratio is model's learned ratio: 1 until the first observation, always
 // within [MinRatio, MaxRatio].
-func (c *Calibration) Ratio(model string) float64 {
-	c.mu.RLock()
-	defer c.mu.RUnlock()
-	if m := c.models[model]; m != nil && m.n > 0 {
-		return m.ratio
-	}
-	return 1
-}
+func (c *Calibration) Ratio(model string) float64 { return c.Fit(model).ratio() }
 
 // Estimate sources.
 const (
@@ -261,36 +323,37 @@ type Estimate struct {
 //
 // The longest anchor whose prefix matches the view (PrefixLen ≤ n and
 // chain[PrefixLen] == Prefix) gives the baseline: Tokens = its Input +
-// round(local estimate of every later message × ratio). Anchors whose digest does not
-// match (an earlier message was edited or compacted, another model or
-// another tools list: the seed differs) are ignored. Of equal lengths the
-// first (most recent) wins. Anchors with PrefixLen < 1 never match: d0
-// alone says nothing about any message, and the local path with the
-// calibration ratio is a better estimate than a measurement of another
-// conversation's first request.
+// round(local estimate of every later message × fit's ratio). Anchors
+// whose digest does not match (an earlier message was edited or compacted,
+// another model or another tools list: the seed differs) are ignored. Of
+// equal lengths the first (most recent) wins. Anchors with PrefixLen < 1
+// never match: d0 alone says nothing about any message.
 //
-// No matching anchor: Tokens = round(sum(local) × ratio).
+// No matching anchor: when the conversation has anchors (anchors with a
+// recorded Local), its newest one is better evidence than the model's
+// statistics: Tokens = overhead + r × local, where r = (Input − overhead)
+// ÷ Local of that anchor (the ratio its measurement implies once the
+// request's fixed cost is taken out). Otherwise Tokens = fit.Tokens(local).
 //
-// ratio is the model's Calibration.Ratio, clamped to [MinRatio, MaxRatio]
-// (a non-positive or NaN ratio means 1). With ratio 1 the anchored path is
-// exactly DESIGN's "reported input + local estimate of every later
-// message". Scaling the later messages too matters early in a conversation,
-// when one step's tool results are a third of the prompt: in
-// TestSimulatedAgentLoop the unscaled suffix was 8-11% low at steps 1-2
-// (the local estimate undercounts code), the scaled one within 5%. Feed the
-// Calibration with ObserveEstimate, so that the ratio is learned from the
-// same kind of pair it is applied to.
+// fit is the model identity's Calibration.Fit. Scaling the messages after
+// an anchor by the ratio matters early in a conversation, when one step's
+// tool results are a third of the prompt (the local estimate undercounts
+// code): in TestSimulatedAgentLoop the unscaled suffix was 8-11% low at
+// steps 1-2, the scaled one within 5%.
 //
 // If local is shorter than the chain's n, only its length counts.
-func EstimateView(chain []Digest, local []int, anchors []Anchor, ratio float64) Estimate {
+func EstimateView(chain []Digest, local []int, anchors []Anchor, fit Fit) Estimate {
 	n := min(len(chain)-1, len(local))
 	total := 0
 	for _, t := range local[:max(n, 0)] {
 		total += t
 	}
-	best := -1
+	best, newest := -1, -1
 	for i := range anchors {
 		a := &anchors[i]
+		if a.Local > 0 && newest < 0 {
+			newest = i
+		}
 		if a.PrefixLen < 1 || a.PrefixLen > n || chain[a.PrefixLen] != a.Prefix {
 			continue
 		}
@@ -298,10 +361,7 @@ func EstimateView(chain []Digest, local []int, anchors []Anchor, ratio float64) 
 			best = i
 		}
 	}
-	if !(ratio > 0) { // also NaN
-		ratio = 1
-	}
-	ratio = min(max(ratio, MinRatio), MaxRatio)
+	ratio := fit.ratio()
 	if best >= 0 {
 		a := anchors[best]
 		suffix := 0
@@ -313,5 +373,11 @@ func EstimateView(chain []Digest, local []int, anchors []Anchor, ratio float64) 
 			PrefixLen: a.PrefixLen, Baseline: a.Input, Local: total, Suffix: suffix,
 		}
 	}
-	return Estimate{Tokens: int(math.Round(float64(total) * ratio)), Source: SourceLocal, Local: total, Suffix: total}
+	if newest >= 0 {
+		a := anchors[newest]
+		oh := min(fit.overhead(), float64(a.Input)/2)
+		r := min(max((float64(a.Input)-oh)/float64(a.Local), MinRatio), MaxRatio)
+		return Estimate{Tokens: int(math.Round(oh + r*float64(total))), Source: SourceLocal, Local: total, Suffix: total}
+	}
+	return Estimate{Tokens: fit.Tokens(total), Source: SourceLocal, Local: total, Suffix: total}
 }

@@ -156,15 +156,15 @@ func TestEstimateView(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			l := local[:len(tt.chain)-1]
-			if got := EstimateView(tt.chain, l, tt.anchors, tt.ratio); got != tt.want {
+			if got := EstimateView(tt.chain, l, tt.anchors, Fit{Ratio: tt.ratio}); got != tt.want {
 				t.Errorf("EstimateView = %+v, want %+v", got, tt.want)
 			}
 		})
 	}
-	if a, ok := NewAnchor(chain, Usage{Input: 42, HasInput: true}, 7); !ok || a.PrefixLen != 4 || a.Prefix != chain[4] || a.Input != 42 || a.At != 7 {
+	if a, ok := NewAnchor(chain, Usage{Input: 42, HasInput: true}, 7, 30); !ok || a.PrefixLen != 4 || a.Prefix != chain[4] || a.Input != 42 || a.At != 7 || a.Local != 30 {
 		t.Errorf("NewAnchor = %+v, %v", a, ok)
 	}
-	if _, ok := NewAnchor(chain, Usage{Output: 3, HasOutput: true}, 7); ok {
+	if _, ok := NewAnchor(chain, Usage{Output: 3, HasOutput: true}, 7, 30); ok {
 		t.Error("NewAnchor without input")
 	}
 	bad := []chat.Message{{Raw: []byte(`{"role":`)}}
@@ -189,29 +189,41 @@ func TestCalibration(t *testing.T) {
 	c.Observe("m", 0, 100)  // ignored
 	c.Observe("m", 100, 0)  // ignored
 	c.Observe("m", -5, 100) // ignored
-	for range 5 {
-		c.Observe("m", 200, 100)
-	}
-	if r := c.Ratio("m"); r != 2 {
-		t.Errorf("median ratio %v, want 2 (one outlier among six)", r)
-	}
 	if r := c.Ratio("other"); r != 1 {
 		t.Errorf("unobserved model ratio %v", r)
 	}
 
+	// Whole views of a model whose requests cost 500 tokens beyond their
+	// messages (a tools array, a template) and 1.6 tokens per local token:
+	// the fit separates the two once the views' sizes differ enough.
 	var e Calibration
-	e.ObserveEstimate("m", Estimate{Source: SourceLocal, Local: 100, Suffix: 100}, 300)
-	if r := e.Ratio("m"); r != 3 {
-		t.Errorf("whole-view pair: ratio %v, want 3", r)
+	for _, l := range []int{200, 400, 700, 1000, 1500} {
+		e.ObserveEstimate("qwen", Estimate{Source: SourceLocal, Local: l, Suffix: l}, 500+l*16/10)
 	}
-	e.ObserveEstimate("m", Estimate{Source: SourceAnchor, Baseline: 1000, Local: 1100, Suffix: 100}, 1150)
-	e.ObserveEstimate("m", Estimate{Source: SourceAnchor, Baseline: 1000, Local: 1100, Suffix: 100}, 1150)
-	if r := e.Ratio("m"); r != 1.5 {
-		t.Errorf("marginal pairs: ratio %v, want 1.5 (median of 3, 1.5, 1.5)", r)
+	f := e.Fit("qwen")
+	if math.Abs(f.Overhead-500) > 2 || math.Abs(f.Ratio-1.6) > 0.01 {
+		t.Errorf("fit %+v, want overhead 500, ratio 1.6", f)
 	}
-	e.ObserveEstimate("m", Estimate{Source: SourceAnchor, Baseline: 1000, Local: 1005, Suffix: 5}, 1900)
-	if r := e.Ratio("m"); r != 1.5 {
-		t.Errorf("tiny suffix observed: ratio %v", r)
+	if got := f.Tokens(300); got < 975 || got > 985 {
+		t.Errorf("fit estimate of a 300-token view %d, want 980", got)
+	}
+	// Views of one size cannot separate overhead and ratio: the ratio is
+	// fitted through the overhead learned so far.
+	var g Calibration
+	for range 4 {
+		g.Observe("m", 1200, 1000)
+	}
+	if f := g.Fit("m"); f.Overhead != 0 || f.Ratio != 1.2 {
+		t.Errorf("same-size fit %+v, want overhead 0, ratio 1.2", f)
+	}
+	// A fit that would need a negative overhead is refitted through the
+	// previous one.
+	var h Calibration
+	for _, l := range []int{100, 1000, 2000} {
+		h.Observe("m", l*2-150, l)
+	}
+	if f := h.Fit("m"); f.Overhead < 0 || f.Ratio < MinRatio || f.Ratio > MaxRatio {
+		t.Errorf("fit %+v out of bounds", f)
 	}
 
 	small := NewCalibration(3)
@@ -355,11 +367,12 @@ func TestSimulatedAgentLoop(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		ratio := cal.Ratio(model)
-		est := EstimateView(chain, local, anchors, ratio)
+		fit := cal.Fit(model)
+		ratio := fit.ratio()
+		est := EstimateView(chain, local, anchors, fit)
 		reported := providerCount(view)
 
-		localOnly := EstimateView(chain, local, nil, ratio)
+		localOnly := EstimateView(chain, local, nil, fit)
 		errLocal := float64(localOnly.Tokens-reported) / float64(reported)
 		worstLocal = max(worstLocal, math.Abs(errLocal))
 		if est.Source == SourceAnchor {
@@ -392,7 +405,7 @@ func TestSimulatedAgentLoop(t *testing.T) {
 		}
 
 		// The provider answered: record the anchor and the calibration pair.
-		if a, ok := NewAnchor(chain, Usage{Input: reported, HasInput: true}, int64(step)); ok {
+		if a, ok := NewAnchor(chain, Usage{Input: reported, HasInput: true}, int64(step), est.Local); ok {
 			anchors = append([]Anchor{a}, anchors...)
 			anchors = anchors[:min(len(anchors), 4)]
 		}
@@ -431,5 +444,38 @@ func TestSimulatedAgentLoop(t *testing.T) {
 	t.Logf("worst anchored error %.1f%%, worst local-only error %.1f%%", 100*worstAnchored, 100*worstLocal)
 	if worstLocal <= 0.05 {
 		t.Errorf("local-only error never exceeded 5%% (worst %.1f%%): the simulation does not exercise anchoring", 100*worstLocal)
+	}
+}
+
+// A view that shares no prefix with any anchor of its conversation (a
+// freshly compacted one) is estimated from the conversation's newest
+// anchor: the ratio its measurement implies once the model's overhead is
+// taken out, plus that overhead.
+func TestEstimateViewConversationEvidence(t *testing.T) {
+	seed := Seed("m", nil)
+	msgs := []chat.Message{
+		testMessage(t, `{"role":"system","content":"be brief"}`),
+		testMessage(t, `{"role":"user","content":"a summary of the earlier conversation"}`),
+	}
+	chain, local, err := ViewChain(seed, msgs, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	total := local[0] + local[1]
+	fit := Fit{Overhead: 500, Ratio: 1.0}
+	// The conversation's newest anchor: 1000 local tokens measured as 2500
+	// (500 overhead + 2.0 per local token), an older one says otherwise.
+	anchors := []Anchor{
+		{PrefixLen: 9, Prefix: Digest{1}, Input: 2500, Local: 1000},
+		{PrefixLen: 5, Prefix: Digest{2}, Input: 900, Local: 800},
+	}
+	got := EstimateView(chain, local, anchors, fit)
+	if want := 500 + 2*total; got.Tokens != want || got.Source != SourceLocal {
+		t.Errorf("estimate %+v, want %d from the newest anchor's implied ratio", got, want)
+	}
+	// Without a recorded Local the anchor is no evidence: the model's fit.
+	anchors[0].Local, anchors[1].Local = 0, 0
+	if got := EstimateView(chain, local, anchors, fit); got.Tokens != fit.Tokens(total) {
+		t.Errorf("estimate %+v, want the model fit %d", got, fit.Tokens(total))
 	}
 }

@@ -34,7 +34,7 @@ func anchorEstimate(view []chat.Message) anchor.Estimate {
 	if err != nil {
 		panic(err)
 	}
-	return anchor.EstimateView(chain, local, nil, 1)
+	return anchor.EstimateView(chain, local, nil, anchor.Fit{})
 }
 
 var benchEstimators = []struct {

@@ -16,17 +16,24 @@ import (
 // the configuration's, applied here too when a field is zero where zero
 // makes no sense).
 type Config struct {
-	// TriggerRatio × budget is the size at which compaction starts
-	// (0 = 0.80); TargetRatio × budget is the size it aims below
-	// (0 = 0.60).
+	// TriggerRatio and TargetRatio apply to the room after the fixed part
+	// F (leading system messages and the request's overhead): compaction
+	// starts at F + TriggerRatio × (budget − F) (0 = 0.80) and aims below
+	// F + TargetRatio × (budget − F) (0 = 0.60).
 	TriggerRatio, TargetRatio float64
 	// ReserveTokens is the output headroom subtracted from the window; the
-	// request's max tokens wins when larger. 0 = only the request's.
+	// request's max tokens wins when larger, and either is capped at a
+	// quarter of the window (an agent that sends max_tokens 32000 to a 32k
+	// model still gets compacted). 0 = only the request's.
 	ReserveTokens int
 	// KeepTail is the floor of verbatim tail messages (0 still keeps the
 	// client's final message, and a cut never separates tool results from
 	// their call).
 	KeepTail int
+	// TailRatio extends the verbatim tail backward by whole turns while it
+	// stays within this share of the room (budget − F). 0 = no extension
+	// (the configuration's default is 0.3).
+	TailRatio float64
 	// LatchGrowth is how many provider-visible messages a conversation must
 	// grow after a failed summarize before the next attempt. 0 disables the
 	// latch.
@@ -45,10 +52,13 @@ type Config struct {
 	// decision is reported as ActionSummarizePending), because a summary
 	// that is not stored would be asked for again at every step.
 	Shadow bool
-	// SummaryTokens is the size a summary is assumed to have when deciding
-	// whether replacing the head can reach the target (0 = 1024, the
-	// summarizer's default max_tokens).
+	// SummaryTokens caps the tokens a summarize call asks for (the
+	// summarizer's max_tokens; 0 = 1024). A call asks for min(SummaryTokens,
+	// room), where room is what the target leaves for the summary.
 	SummaryTokens int
+	// SummaryMinTokens: a summary is attempted only when at least this
+	// much room is left for it (0 = 256).
+	SummaryMinTokens int
 }
 
 // Defaults applied by New to zero fields.
@@ -57,12 +67,18 @@ const (
 	DefaultTargetRatio          = 0.60
 	DefaultTrimToolResultTokens = 1024
 	DefaultSummaryTokens        = 1024
+	DefaultSummaryMinTokens     = 256
+	DefaultTailRatio            = 0.3
 )
 
 // Summarizer summarizes the head of a conversation. previous is the summary
-// the head continues ("" when none): the answer must fold it in.
+// the head continues ("" when none): the answer must fold it in. head holds
+// only messages no earlier summary covered, as they were forwarded (trims
+// applied, dropped messages left out). maxTokens is the size the summary
+// may have (the room the view leaves for it); the implementation asks its
+// model for at most that many tokens.
 type Summarizer interface {
-	Summarize(ctx context.Context, head []chat.Message, previous string) (string, error)
+	Summarize(ctx context.Context, head []chat.Message, previous string, maxTokens int) (string, error)
 }
 
 // Clock gives the time (the throttle's only use of it).
@@ -153,6 +169,13 @@ type Events struct {
 	NewActions []Action
 	// SummaryError is why the summarize failed (nil when it did not).
 	SummaryError error
+	// SummaryTokens is the limit the summarize call was given (0 when none
+	// was made).
+	SummaryTokens int
+	// Impossible: the fixed part alone (leading system messages and the
+	// request's overhead) is over the budget; nothing new was done
+	// (compaction_impossible_total).
+	Impossible bool
 }
 
 // Output is the decision.
@@ -170,8 +193,8 @@ type Output struct {
 	// Forwarded estimates Messages.
 	Forwarded int
 	// Budget, Trigger and Target are the thresholds in tokens (0 when the
-	// window is unknown).
-	Budget, Trigger, Target int
+	// window is unknown); Fixed is the estimate of the fixed part F.
+	Budget, Trigger, Target, Fixed int
 	// State is the conversation's state to save when StateChanged.
 	State        State
 	StateChanged bool
@@ -211,6 +234,10 @@ func New(cfg Config, s Summarizer, c Clock) *Engine {
 	if cfg.SummaryTokens <= 0 {
 		cfg.SummaryTokens = DefaultSummaryTokens
 	}
+	if cfg.SummaryMinTokens <= 0 {
+		cfg.SummaryMinTokens = DefaultSummaryMinTokens
+	}
+	cfg.TailRatio = min(max(cfg.TailRatio, 0), 1)
 	cfg.KeepTail = max(cfg.KeepTail, 0)
 	cfg.LatchGrowth = max(cfg.LatchGrowth, 0)
 	if c == nil {
@@ -223,10 +250,10 @@ func New(cfg Config, s Summarizer, c Clock) *Engine {
 type plan struct {
 	sum   *Summary
 	trims map[int]int // client position → Trim.Keep
-	drop  *Drop
+	drops []Drop      // ascending, disjoint
 }
 
-func (p plan) empty() bool { return p.sum == nil && len(p.trims) == 0 && p.drop == nil }
+func (p plan) empty() bool { return p.sum == nil && len(p.trims) == 0 && len(p.drops) == 0 }
 
 func (p plan) withTrims(idx []int, keep int) plan {
 	q := p
@@ -238,6 +265,16 @@ func (p plan) withTrims(idx []int, keep int) plan {
 		q.trims[i] = keep
 	}
 	return q
+}
+
+// dropped tells whether client position i lies in one of the plan's drops.
+func (p plan) dropped(i int) bool {
+	for _, d := range p.drops {
+		if i >= d.From && i < d.To {
+			return true
+		}
+	}
+	return false
 }
 
 // run is one Compact call.
@@ -310,6 +347,16 @@ func byteEstimate(view []chat.Message) anchor.Estimate {
 	return anchor.Estimate{Tokens: t / bytesPerToken, Source: anchor.SourceLocal, Local: t / bytesPerToken}
 }
 
+// Budget is DESIGN.md § Budget: the window less the reserved output, where
+// the reserved output is the larger of reserveTokens and the request's max
+// tokens, capped at a quarter of the window.
+func Budget(window, reserveTokens, maxTokens int) int {
+	if window <= 0 {
+		return 0
+	}
+	return window - min(max(reserveTokens, maxTokens), window/4)
+}
+
 func (r *run) compact() Output {
 	cfg := r.e.cfg
 	out := Output{}
@@ -330,22 +377,74 @@ func (r *run) compact() Output {
 		cur = m
 	}
 
-	if r.in.Window > 0 {
-		out.Budget = r.in.Window - max(cfg.ReserveTokens, r.in.MaxTokens)
-		if out.Budget > 0 {
-			out.Trigger = int(float64(out.Budget) * cfg.TriggerRatio)
-			out.Target = int(float64(out.Budget) * cfg.TargetRatio)
-		}
+	out.Budget = Budget(r.in.Window, cfg.ReserveTokens, r.in.MaxTokens)
+	if out.Budget <= 0 || r.n == 0 {
+		return r.finish(out, p, cur)
 	}
-	if out.Budget > 0 && cur >= out.Trigger && r.n > 0 {
+	// The fixed part: what no compaction can shrink (the leading system
+	// messages and the request's overhead, as estimated).
+	out.Fixed = r.est(r.msgs[:r.lead:r.lead])
+	room := out.Budget - out.Fixed
+	if room <= 0 {
+		out.Trigger, out.Target = out.Budget, out.Budget
+		if cur >= out.Budget {
+			r.ev.Impossible = true
+		}
+		return r.finish(out, p, cur)
+	}
+	out.Trigger = out.Fixed + int(float64(room)*cfg.TriggerRatio)
+	out.Target = out.Fixed + int(float64(room)*cfg.TargetRatio)
+	if cur >= out.Trigger {
+		headStart := r.lead
+		if p.sum != nil {
+			headStart = p.sum.Cut
+		}
+		r.tail = r.extendTail(r.tail, headStart, out.Fixed, int(float64(room)*cfg.TailRatio))
 		cur = r.decide(&p, cur, out.Budget, out.Target)
 	}
 	return r.finish(out, p, cur)
 }
 
+// extendTail moves the cut back by whole turns (to earlier messages that
+// are not tool results) while the tail, estimated with the leading system
+// messages in front of it, stays within limit tokens beyond the fixed part.
+// The head keeps at least one message.
+func (r *run) extendTail(cut, headStart, fixed, limit int) int {
+	if limit <= 0 {
+		return cut
+	}
+	var cands []int // candidate cuts, nearest first
+	for c := cut - 1; c > headStart; c-- {
+		if !isToolRole(r.msgs[c].Role) {
+			cands = append(cands, c)
+		}
+	}
+	fits := func(c int) bool {
+		v := make([]chat.Message, 0, r.lead+r.n-c)
+		v = append(v, r.msgs[:r.lead]...)
+		v = append(v, r.msgs[c:]...)
+		return r.est(v)-fixed <= limit
+	}
+	// The tail's size grows as the cut moves back: binary search for the
+	// farthest candidate that still fits.
+	lo, hi := 0, len(cands) // cands[:lo] fit
+	for lo < hi {
+		mid := (lo + hi) / 2
+		if fits(cands[mid]) {
+			lo = mid + 1
+		} else {
+			hi = mid
+		}
+	}
+	if lo == 0 {
+		return cut
+	}
+	return cands[lo-1]
+}
+
 // reapply returns the stored compactions that still match the client's
 // chain: the summary whose head digest matches at its cut, trims whose
-// message (and everything before it) is unchanged, the drop likewise.
+// message (and everything before it) is unchanged, the drops likewise.
 func (r *run) reapply() plan {
 	p := plan{trims: map[int]int{}}
 	if !r.chain {
@@ -367,14 +466,16 @@ func (r *run) reapply() plan {
 			p.trims[t.Index] = t.Keep
 		}
 	}
-	if d := r.st.Drop; d != nil && d.From < d.To && d.To < r.n && ch[d.To] == d.Prefix {
-		lo := r.lead
-		if p.sum != nil {
-			lo = p.sum.Cut
+	lo := r.lead
+	if p.sum != nil {
+		lo = p.sum.Cut
+	}
+	for _, d := range r.st.Drops {
+		if d.From < lo || d.From >= d.To || d.To >= r.n || ch[d.To] != d.Prefix {
+			continue
 		}
-		if d.From >= lo {
-			p.drop = d
-		}
+		p.drops = append(p.drops, d)
+		lo = d.To
 	}
 	return p
 }
@@ -382,14 +483,18 @@ func (r *run) reapply() plan {
 // view builds the messages a plan forwards.
 func (r *run) view(p plan) []chat.Message {
 	out := make([]chat.Message, 0, r.n+3)
+	di := 0
 	for i := 0; i < r.n; i++ {
 		if p.sum != nil && i == p.sum.Lead {
 			out = append(out, r.block(p.sum)...)
 			i = p.sum.Cut - 1
 			continue
 		}
-		if p.drop != nil && i == p.drop.From {
-			i = p.drop.To - 1
+		for di < len(p.drops) && p.drops[di].To <= i {
+			di++
+		}
+		if di < len(p.drops) && i == p.drops[di].From {
+			i = p.drops[di].To - 1
 			continue
 		}
 		if keep, ok := p.trims[i]; ok {
@@ -454,13 +559,18 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 	}
 
 	// 2. Summarize the head when trim could not reach the target.
-	if cur >= target && cfg.SummarizerEnabled && r.e.sum != nil && r.chain &&
-		r.tail > headStart && r.tail < r.n {
-		cur = r.summarize(p, cur, headStart, target)
+	if cfg.SummarizerEnabled && r.e.sum != nil && r.chain && r.tail > headStart && r.tail < r.n {
+		var summarized bool
+		if cur, summarized = r.summarize(p, cur, headStart, budget, target); summarized || r.pending {
+			// A summary was made (or would be, in a dry run): no drop
+			// while a summary fits.
+			return cur
+		}
 	}
 
-	// 4. Still over: excerpt the tail's oldest long tool results (never
-	// the final message), then drop whole turns when over the budget.
+	// 4. Still over: excerpt the oldest long tool results after the
+	// summary (never the final message), then drop whole turns when over
+	// the budget.
 	if cur >= target {
 		start := r.lead
 		if p.sum != nil {
@@ -489,7 +599,7 @@ func (r *run) trimCandidates(p plan, from, to int) []int {
 		if _, done := p.trims[i]; done {
 			continue
 		}
-		if p.drop != nil && i >= p.drop.From && i < p.drop.To {
+		if p.dropped(i) {
 			continue
 		}
 		if _, ok := r.trimmed(i, r.keep); ok {
@@ -542,9 +652,28 @@ func (r *run) askFor(cut int) (int, bool) {
 	return -1, false
 }
 
-// summarize runs step 2 (with the latch and the throttle) and returns the
-// estimate of the resulting plan.
-func (r *run) summarize(p *plan, cur, headStart, target int) int {
+// headView is the head [from, cut) as it is forwarded under p: trimmed
+// results as excerpts, dropped messages left out (a summarize call never
+// sends a message again that an earlier compaction removed).
+func (r *run) headView(p plan, from, cut int) []chat.Message {
+	out := make([]chat.Message, 0, cut-from)
+	for i := from; i < cut; i++ {
+		if p.dropped(i) {
+			continue
+		}
+		if keep, ok := p.trims[i]; ok {
+			m, _ := r.trimmed(i, keep)
+			out = append(out, m)
+			continue
+		}
+		out = append(out, r.msgs[i])
+	}
+	return out
+}
+
+// summarize runs step 2 (sizing, latch, throttle, the call) and returns the
+// estimate of the resulting plan and whether a summary now applies.
+func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool) {
 	cfg := r.e.cfg
 	cut := r.tail
 	ask, inline := r.askFor(cut)
@@ -554,27 +683,53 @@ func (r *run) summarize(p *plan, cur, headStart, target int) int {
 	}
 	cand := &Summary{
 		Cut: cut, Head: r.in.Chain[cut], Lead: r.lead,
-		Text: strings.Repeat("word ", cfg.SummaryTokens*bytesPerToken/5),
-		Ack:  next == "user", Ask: ask, AskInline: inline,
+		Ack: next == "user", Ask: ask, AskInline: inline,
 	}
-	withSummary := func(s *Summary) plan {
+	// withSummary replaces the head by s under the trims after the cut; the
+	// drops after the cut are kept, those in the head are covered by it.
+	withSummary := func(base plan, s *Summary) plan {
 		q := plan{sum: s, trims: map[int]int{}}
-		for i, k := range p.trims {
+		for i, k := range base.trims {
 			if i >= s.Cut {
 				q.trims[i] = k
 			}
 		}
+		for _, d := range base.drops {
+			if d.From >= s.Cut {
+				q.drops = append(q.drops, d)
+			}
+		}
 		return q
 	}
-	if r.est(r.view(withSummary(cand))) >= target {
-		return cur // replacing the head cannot reach the target: step 4
+	// The summary's room: the target minus the view without the head
+	// (system messages, the summary's label, acknowledgement, ask, tail).
+	base := withSummary(*p, cand)
+	withoutHead := r.est(r.view(base))
+	// A summary can only pay for itself when it is smaller than what it
+	// replaces: the head as forwarded now.
+	headTokens := cur - withoutHead
+	room := target - withoutHead
+	if room < cfg.SummaryMinTokens {
+		// Excerpt the tail's oldest long tool results (never the final
+		// message) and measure again; then accept the budget.
+		if cands := r.trimCandidates(base, cut, r.n-1); len(cands) > 0 {
+			r.applyTrims(&base, cands, target-cfg.SummaryMinTokens)
+			room = target - r.est(r.view(base))
+		}
+		if room < cfg.SummaryMinTokens {
+			room = budget - r.est(r.view(base))
+		}
 	}
+	if room < cfg.SummaryMinTokens || headTokens < cfg.SummaryMinTokens {
+		return cur, false // no summary fits: step 4
+	}
+	limit := min(cfg.SummaryTokens, room, headTokens)
 
 	n := r.n
 	if r.st.Latched {
 		if n < r.st.LatchCount+cfg.LatchGrowth {
 			r.ev.Suppressed = SuppressedLatch
-			return cur
+			return cur, false
 		}
 		r.st.Latched = false
 	}
@@ -582,20 +737,21 @@ func (r *run) summarize(p *plan, cur, headStart, target int) int {
 	if cfg.MinInterval > 0 && !r.in.IgnoreThrottle && !r.st.LastAttempt.IsZero() &&
 		r.st.LastAttemptCount == n && now.Sub(r.st.LastAttempt) < cfg.MinInterval {
 		r.ev.Suppressed = SuppressedThrottle
-		return cur
+		return cur, false
 	}
 	if !r.in.Summarize || cfg.Shadow {
 		r.pending = true
-		return cur
+		return cur, false
 	}
 
 	r.st.LastAttempt, r.st.LastAttemptCount = now, n
 	r.ev.SummarizeCalled = true
+	r.ev.SummaryTokens = limit
 	previous := ""
 	if p.sum != nil {
 		previous = p.sum.Text
 	}
-	text, err := r.e.sum.Summarize(r.ctx, r.msgs[headStart:cut:cut], previous)
+	text, err := r.e.sum.Summarize(r.ctx, r.headView(*p, headStart, cut), previous, limit)
 	text = strings.TrimSpace(text)
 	if err == nil && text == "" {
 		err = ErrEmptySummary
@@ -603,14 +759,14 @@ func (r *run) summarize(p *plan, cur, headStart, target int) int {
 	if err == nil {
 		s := *cand
 		s.Text = text
-		q := withSummary(&s)
+		q := withSummary(base, &s)
 		e := r.est(r.view(q))
 		if e < cur {
 			*p = q
 			r.newSum = true
 			r.ev.SummarizeOK = true
 			r.st.Latched, r.st.LatchCount = false, 0
-			return e
+			return e, true
 		}
 		err = fmt.Errorf("%w (%d tokens, %d before)", ErrSummaryNotSmaller, e, cur)
 	}
@@ -619,101 +775,141 @@ func (r *run) summarize(p *plan, cur, headStart, target int) int {
 		r.st.Latched, r.st.LatchCount = cfg.LatchGrowth > 0, n
 		r.ev.LatchEngaged = cfg.LatchGrowth > 0
 	}
-	return cur
+	return cur, false
 }
 
-// dropTurns drops the oldest whole turns after the system messages (after
-// the summary when one applies): first from the head, down to the target;
-// when dropping the whole head still leaves the view over the budget, from
-// the tail too, but never the final message's turn. A dropped range starts
-// and ends at a message that is not a tool result (pairing-safe), keeps the
-// conversation's opening user message when the next kept message is not a
-// user message, and never makes two user or two assistant messages meet.
+// dropUnit is a whole turn: a message that is not a tool result and the
+// tool results that directly follow it, client positions [from, to).
+type dropUnit struct{ from, to int }
+
+// dropTurns is step 4: it drops the oldest whole turns after the system
+// messages (after the summary when one applies), first from the head down
+// to the target; when that still leaves the view over the budget, from the
+// tail too (never the final message's turn), down to the budget. Never
+// dropped: the conversation's first user message (the task) and the most
+// recent user message (the instruction being worked on). Every dropped
+// range starts and ends at a message that is not a tool result
+// (pairing-safe), and the messages it brings together never are two user
+// or two assistant messages.
 func (r *run) dropTurns(p *plan, cur, budget, target int) int {
 	s := r.lead
-	prev := ""
 	if p.sum != nil {
 		s = p.sum.Cut
-		b := r.block(p.sum)
-		prev = b[len(b)-1].Role
-	} else if s > 0 {
-		prev = r.msgs[s-1].Role
 	}
 	final := r.n - 1
 	for final > 0 && isToolRole(r.msgs[final].Role) {
 		final--
 	}
-	if s >= final {
+	task, last := -1, -1
+	for i := r.lead; i < r.n; i++ {
+		if r.msgs[i].Role == "user" {
+			if task < 0 {
+				task = i
+			}
+			last = i
+		}
+	}
+	var units []dropUnit
+	for i := s; i < final; {
+		j := i + 1
+		for j < final && isToolRole(r.msgs[j].Role) {
+			j++
+		}
+		if i != task && i != last && !isToolRole(r.msgs[i].Role) {
+			units = append(units, dropUnit{i, j})
+		}
+		i = j
+	}
+	if len(units) == 0 {
 		return cur
 	}
-	minTo := s + 1
-	if p.drop != nil {
-		minTo = p.drop.To
+	headUnits := 0
+	for headUnits < len(units) && units[headUnits].to <= r.tail {
+		headUnits++
 	}
-	type cand struct{ from, to int }
-	var head, tail []cand
-	for to := minTo; to <= final; to++ {
-		role := r.msgs[to].Role
-		if isToolRole(role) {
-			continue
-		}
-		from := s
-		if r.msgs[s].Role == "user" && role != "user" && prev != "user" {
-			from = s + 1
-		}
-		last := prev
-		if from > s {
-			last = "user"
-		}
-		if from >= to || ((last == "user" || last == "assistant") && last == role) {
-			continue
-		}
-		if to <= r.tail {
-			head = append(head, cand{from, to})
-		} else {
-			tail = append(tail, cand{from, to})
-		}
-	}
-	with := func(c cand) plan {
+	// with drops the k oldest units, merged into ranges; ok is false when
+	// a range would bring two user or two assistant messages together.
+	with := func(k int) (plan, bool) {
 		q := *p
-		q.drop = &Drop{From: c.from, To: c.to}
-		if r.chain {
-			q.drop.Prefix = r.in.Chain[c.to]
+		q.drops = nil
+		for _, u := range units[:k] {
+			if m := len(q.drops); m > 0 && q.drops[m-1].To == u.from {
+				q.drops[m-1].To = u.to
+				continue
+			}
+			q.drops = append(q.drops, Drop{From: u.from, To: u.to})
 		}
-		return q
+		for i := range q.drops {
+			d := &q.drops[i]
+			if r.chain {
+				d.Prefix = r.in.Chain[d.To]
+			}
+			before := r.roleBefore(q, d.From)
+			after := r.msgs[d.To].Role
+			if (before == "user" || before == "assistant") && before == after {
+				return q, false
+			}
+		}
+		return q, true
 	}
-	// pick returns the smallest candidate below target, else the largest.
-	pick := func(cs []cand) (plan, int) {
-		lo, hi := 0, len(cs)-1
-		best, bestEst := with(cs[hi]), r.est(r.view(with(cs[hi])))
-		if bestEst >= target {
-			return best, bestEst
-		}
-		for lo < hi {
+	// pick returns the fewest units (among the first limit) whose drop is
+	// valid and brings the view to goal or below, else the most that are
+	// valid; ok is false when no drop is valid.
+	pick := func(limit, goal int) (plan, int, bool) {
+		lo, hi := 1, limit
+		for lo < hi { // the estimate falls as more units are dropped
 			mid := (lo + hi) / 2
-			q := with(cs[mid])
-			if e := r.est(r.view(q)); e < target {
-				hi, best, bestEst = mid, q, e
+			q, _ := with(mid)
+			if r.est(r.view(q)) <= goal {
+				hi = mid
 			} else {
 				lo = mid + 1
 			}
 		}
-		return best, bestEst
+		for k := lo; k <= limit; k++ {
+			if q, ok := with(k); ok {
+				return q, r.est(r.view(q)), true
+			}
+		}
+		for k := lo - 1; k >= 1; k-- {
+			if q, ok := with(k); ok {
+				return q, r.est(r.view(q)), true
+			}
+		}
+		return plan{}, 0, false
 	}
-	if len(head) > 0 {
-		q, e := pick(head)
-		*p, cur = q, e
-		r.newDrop = true
-		if cur <= budget {
-			return cur
+	if headUnits > 0 {
+		if q, e, ok := pick(headUnits, target-1); ok && e < cur {
+			*p, cur = q, e
+			r.newDrop = true
+			if cur <= budget {
+				return cur
+			}
 		}
 	}
-	if len(tail) > 0 {
-		q, e := pick(tail)
-		*p, cur = q, e
-		r.newDrop = true
+	if len(units) > headUnits {
+		if q, e, ok := pick(len(units), budget); ok && e < cur {
+			*p, cur = q, e
+			r.newDrop = true
+		}
 	}
 	return cur
+}
+
+// roleBefore is the role of the forwarded message just before client
+// position i under q ("" at the start).
+func (r *run) roleBefore(q plan, i int) string {
+	for j := i - 1; j >= 0; j-- {
+		if q.sum != nil && j < q.sum.Cut && j >= q.sum.Lead {
+			b := r.block(q.sum)
+			return b[len(b)-1].Role
+		}
+		if q.dropped(j) {
+			continue
+		}
+		return r.msgs[j].Role
+	}
+	return ""
 }
 
 // finish builds the forwarded view, checks it, and fills the output.
@@ -746,7 +942,7 @@ func (r *run) finish(out Output, p plan, cur int) Output {
 			// view does not cause a summarize per step; forget the stored
 			// records if they alone already produce a broken view.
 			if !fresh || violations(r.view(r.reapply())) > 0 {
-				r.st.Summary, r.st.Trims, r.st.Drop = nil, nil, nil
+				r.st.Summary, r.st.Trims, r.st.Drops = nil, nil, nil
 			}
 			p, fresh, r.newTrims, r.newSum, r.newDrop = plan{}, false, false, false, false
 		}
@@ -762,7 +958,7 @@ func (r *run) finish(out Output, p plan, cur int) Output {
 	case p.sum != nil:
 		out.Action = ActionReused
 		r.ev.NewActions = append(r.ev.NewActions, ActionReused)
-	case p.drop != nil:
+	case len(p.drops) > 0:
 		out.Action = ActionDropped
 	case len(p.trims) > 0:
 		out.Action = ActionTrimmed
@@ -779,7 +975,7 @@ func (r *run) finish(out Output, p plan, cur int) Output {
 
 	if fresh && r.chain {
 		r.st.Summary = p.sum
-		r.st.Drop = p.drop
+		r.st.Drops = slices.Clone(p.drops)
 		r.st.Trims = r.st.Trims[:0:0]
 		for i, k := range p.trims {
 			r.st.Trims = append(r.st.Trims, Trim{Index: i, Prefix: in.Chain[i+1], Keep: k})
@@ -805,13 +1001,11 @@ func (r *run) finish(out Output, p plan, cur int) Output {
 func stateEqual(a, b State) bool {
 	if a.Latched != b.Latched || a.LatchCount != b.LatchCount ||
 		!a.LastAttempt.Equal(b.LastAttempt) || a.LastAttemptCount != b.LastAttemptCount ||
-		!slices.Equal(a.Anchors, b.Anchors) || !slices.Equal(a.Trims, b.Trims) {
+		!slices.Equal(a.Anchors, b.Anchors) || !slices.Equal(a.Trims, b.Trims) ||
+		!slices.Equal(a.Drops, b.Drops) {
 		return false
 	}
 	if (a.Summary == nil) != (b.Summary == nil) || (a.Summary != nil && *a.Summary != *b.Summary) {
-		return false
-	}
-	if (a.Drop == nil) != (b.Drop == nil) || (a.Drop != nil && *a.Drop != *b.Drop) {
 		return false
 	}
 	return true

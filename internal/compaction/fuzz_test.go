@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math/rand"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -181,6 +182,59 @@ func checkProperties(t *testing.T, seed int64, keepTail, mode int) {
 				}
 				break
 			}
+		}
+		// The goals, measured on the forwarded view itself:
+		// - it fits the budget whenever the messages compaction may never
+		//   remove (system messages, the task, the latest instruction, the
+		//   final turn) leave room for it;
+		// - the latest user instruction is there verbatim, and the task too
+		//   unless a summary stands for it;
+		// - with a reliable summarizer, nothing is dropped.
+		final := len(msgs) - 1
+		for final > 0 && isToolRole(msgs[final].Role) {
+			final--
+		}
+		task, latest := -1, -1
+		for i := lead; i < len(msgs); i++ {
+			if msgs[i].Role == "user" {
+				if task < 0 {
+					task = i
+				}
+				latest = i
+			}
+		}
+		keepSize := fakeEstimate(msgs[:lead]).Tokens + fakeEstimate(msgs[final:]).Tokens
+		for _, i := range []int{task, latest} {
+			if i >= 0 && i < final {
+				keepSize += len(msgs[i].Raw) / 4
+			}
+		}
+		if got := fakeEstimate(v).Tokens; out.Budget > 0 && keepSize+400 < out.Budget/2 && got > out.Budget {
+			t.Fatalf("%s: forwarded %d tokens over the budget %d (kept part %d)", where, got, out.Budget, keepSize)
+		}
+		hasText := func(text string) bool {
+			for i := range v {
+				if strings.Contains(chat.Text(v[i]), text) {
+					return true
+				}
+			}
+			return false
+		}
+		if latest >= 0 && msgs[latest].MediaParts == 0 && !hasText(chat.Text(msgs[latest])) {
+			t.Fatalf("%s: the latest instruction (message %d) is not forwarded: %s", where, latest, roles(v))
+		}
+		summarized := out.Action == ActionSummarized || out.Action == ActionReused
+		if task >= 0 && !summarized && count(v, msgs[task].Raw) != 1 {
+			t.Fatalf("%s: the task (message %d) is not forwarded verbatim once: %s", where, task, roles(v))
+		}
+		// (A summary fits when there is a head and the view without it,
+		// with the summary's label and acknowledgement, leaves
+		// summary_min_tokens under the budget.)
+		withoutHead := fakeEstimate(msgs[:lead]).Tokens + fakeEstimate(msgs[tail:]).Tokens + askTokens + len(summaryLabel)/4 + 60
+		fits := tail > lead && withoutHead+DefaultSummaryMinTokens <= out.Budget &&
+			fakeEstimate(msgs[lead:tail]).Tokens >= 2*DefaultSummaryMinTokens
+		if mode == 0 && fits && slices.Contains(out.Events.NewActions, ActionDropped) {
+			t.Fatalf("%s: dropped while the summarizer works (%v)", where, out.Events.NewActions)
 		}
 		// No new compaction: the previous forwarded view is a prefix.
 		fresh := false

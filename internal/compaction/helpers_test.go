@@ -97,19 +97,21 @@ func (c *fakeClock) Add(d time.Duration) { c.mu.Lock(); c.t = c.t.Add(d); c.mu.U
 
 // fakeSummarizer records its calls and answers with fn.
 type fakeSummarizer struct {
-	mu    sync.Mutex
-	calls int
-	heads [][]chat.Message
-	prevs []string
-	fn    func(call int, head []chat.Message, previous string) (string, error)
+	mu     sync.Mutex
+	calls  int
+	heads  [][]chat.Message
+	prevs  []string
+	limits []int
+	fn     func(call int, head []chat.Message, previous string) (string, error)
 }
 
-func (s *fakeSummarizer) Summarize(ctx context.Context, head []chat.Message, previous string) (string, error) {
+func (s *fakeSummarizer) Summarize(ctx context.Context, head []chat.Message, previous string, maxTokens int) (string, error) {
 	s.mu.Lock()
 	s.calls++
 	call := s.calls
 	s.heads = append(s.heads, head)
 	s.prevs = append(s.prevs, previous)
+	s.limits = append(s.limits, maxTokens)
 	s.mu.Unlock()
 	return s.fn(call, head, previous)
 }

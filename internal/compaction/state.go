@@ -33,8 +33,10 @@ type State struct {
 	// Trims are the tool results that are forwarded as excerpts, in index
 	// order.
 	Trims []Trim
-	// Drop is the range of messages that is not forwarded, nil when none.
-	Drop *Drop
+	// Drops are the ranges of messages that are not forwarded, ascending
+	// and disjoint (a drop keeps the task and the latest instruction, so it
+	// may be split around them).
+	Drops []Drop
 
 	// Latched is true after a failed summarize: until the provider-visible
 	// message count reaches LatchCount + Config.LatchGrowth, the engine stays
@@ -86,7 +88,7 @@ type Trim struct {
 	Keep int
 }
 
-// Drop records the client messages [From, To) that are not forwarded.
+// Drop records a range of client messages [From, To) that is not forwarded.
 // Prefix is the client chain's d[To].
 type Drop struct {
 	From, To int
@@ -120,9 +122,6 @@ func (s State) clone() State {
 		v := *s.Summary
 		c.Summary = &v
 	}
-	if s.Drop != nil {
-		v := *s.Drop
-		c.Drop = &v
-	}
+	c.Drops = slices.Clone(s.Drops)
 	return c
 }

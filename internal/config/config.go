@@ -66,16 +66,22 @@ type Auth struct {
 
 // Compaction configures the compaction engine.
 type Compaction struct {
-	Enabled       bool          `mapstructure:"enabled" yaml:"enabled"`               // default true
-	Mode          string        `mapstructure:"mode" yaml:"mode"`                     // enforce|shadow
-	TriggerRatio  float64       `mapstructure:"trigger_ratio" yaml:"trigger_ratio"`   // 0.80
-	TargetRatio   float64       `mapstructure:"target_ratio" yaml:"target_ratio"`     // 0.60
-	ReserveTokens int           `mapstructure:"reserve_tokens" yaml:"reserve_tokens"` // 4096
-	KeepTail      int           `mapstructure:"keep_tail" yaml:"keep_tail"`           // 3
-	MinInterval   time.Duration `mapstructure:"min_interval" yaml:"min_interval"`     // 60s; 0 disables the throttle
-	LatchGrowth   int           `mapstructure:"latch_growth" yaml:"latch_growth"`     // 20
-	Trim          Trim          `mapstructure:"trim" yaml:"trim"`
-	Summarizer    Summarizer    `mapstructure:"summarizer" yaml:"summarizer"`
+	Enabled       bool    `mapstructure:"enabled" yaml:"enabled"`               // default true
+	Mode          string  `mapstructure:"mode" yaml:"mode"`                     // enforce|shadow
+	TriggerRatio  float64 `mapstructure:"trigger_ratio" yaml:"trigger_ratio"`   // 0.80
+	TargetRatio   float64 `mapstructure:"target_ratio" yaml:"target_ratio"`     // 0.60
+	ReserveTokens int     `mapstructure:"reserve_tokens" yaml:"reserve_tokens"` // 4096
+	KeepTail      int     `mapstructure:"keep_tail" yaml:"keep_tail"`           // 3
+	// TailRatio: the verbatim tail extends by whole turns up to this share
+	// of the room (budget − fixed part); 0 = keep_tail only.
+	TailRatio float64 `mapstructure:"tail_ratio" yaml:"tail_ratio"` // 0.3
+	// SummaryMinTokens: a summary is attempted only when at least this much
+	// room is left for it.
+	SummaryMinTokens int           `mapstructure:"summary_min_tokens" yaml:"summary_min_tokens"` // 256
+	MinInterval      time.Duration `mapstructure:"min_interval" yaml:"min_interval"`             // 60s; 0 disables the throttle
+	LatchGrowth      int           `mapstructure:"latch_growth" yaml:"latch_growth"`             // 20
+	Trim             Trim          `mapstructure:"trim" yaml:"trim"`
+	Summarizer       Summarizer    `mapstructure:"summarizer" yaml:"summarizer"`
 }
 
 // Trim configures the no-model-call trim step.
@@ -137,15 +143,17 @@ func Default() Config {
 			DiscoveryInterval: 5 * time.Minute,
 		},
 		Compaction: Compaction{
-			Enabled:       true,
-			Mode:          "enforce",
-			TriggerRatio:  0.80,
-			TargetRatio:   0.60,
-			ReserveTokens: 4096,
-			KeepTail:      3,
-			MinInterval:   60 * time.Second,
-			LatchGrowth:   20,
-			Trim:          Trim{ToolResultTokens: 1024},
+			Enabled:          true,
+			Mode:             "enforce",
+			TriggerRatio:     0.80,
+			TargetRatio:      0.60,
+			ReserveTokens:    4096,
+			KeepTail:         3,
+			TailRatio:        0.3,
+			SummaryMinTokens: 256,
+			MinInterval:      60 * time.Second,
+			LatchGrowth:      20,
+			Trim:             Trim{ToolResultTokens: 1024},
 			Summarizer: Summarizer{
 				Enabled:       true,
 				MaxTokens:     1024,

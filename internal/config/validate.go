@@ -158,6 +158,10 @@ func (c Config) Validate() error {
 	}
 	v.atLeast("compaction.reserve_tokens", int64(cp.ReserveTokens), 0)
 	v.atLeast("compaction.keep_tail", int64(cp.KeepTail), 1)
+	if cp.TailRatio < 0 || cp.TailRatio > 1 {
+		v.add("compaction.tail_ratio", "must be in [0, 1], got %g", cp.TailRatio)
+	}
+	v.atLeast("compaction.summary_min_tokens", int64(cp.SummaryMinTokens), 1)
 	v.nonNegativeDuration("compaction.min_interval", cp.MinInterval)
 	v.atLeast("compaction.latch_growth", int64(cp.LatchGrowth), 1)
 	v.atLeast("compaction.trim.tool_result_tokens", int64(cp.Trim.ToolResultTokens), 1)

@@ -38,6 +38,9 @@ type Metrics struct {
 	// SummarizeDuration times the compaction steps that called the
 	// summarizer (every chunk of one summary), by result.
 	SummarizeDuration *prometheus.HistogramVec // result
+	// CompactionImpossible counts chat requests whose fixed part alone
+	// (leading system messages, tools, template) is over the budget.
+	CompactionImpossible prometheus.Counter
 }
 
 // New registers the metrics on reg, plus the Go and process collectors.
@@ -87,6 +90,8 @@ func New(reg prometheus.Registerer) *Metrics {
 		SummarizeDuration: f.NewHistogramVec(prometheus.HistogramOpts{Namespace: ns, Name: "summarize_duration_seconds",
 			Help:    "Time of the compaction steps that called the summarizer (all chunks of one summary), by result.",
 			Buckets: prometheus.ExponentialBuckets(0.05, 2, 12)}, []string{"result"}),
+		CompactionImpossible: f.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "compaction_impossible_total",
+			Help: "Chat requests over the budget whose fixed part (system messages, tools, template) alone is over it: forwarded as is."}),
 	}
 	// Pre-create the fixed label values so dashboards see zeros.
 	for _, r := range []string{"hit", "miss"} {

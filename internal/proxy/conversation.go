@@ -122,13 +122,13 @@ func (s *Server) seed(req *chat.Request) anchor.Digest {
 // chain, the conversation's anchors, the local estimate and the model's
 // calibration ratio.
 func (s *Server) estimator(memo *chainMemo, anchors []anchor.Anchor, identity string) compaction.Estimator {
-	ratio := s.calibration.Ratio(identity)
+	fit := s.calibration.Fit(identity)
 	return func(view []chat.Message) anchor.Estimate {
 		chain, local, err := memo.chain(view)
 		if err != nil {
 			return anchor.Estimate{Source: anchor.SourceLocal}
 		}
-		return anchor.EstimateView(chain, local, anchors, ratio)
+		return anchor.EstimateView(chain, local, anchors, fit)
 	}
 }
 
@@ -214,9 +214,7 @@ func (s *Server) compact(ctx context.Context, r *http.Request, cv *conversation,
 	estimateOnly := func(st compaction.State) compaction.Output {
 		e := s.estimator(cv.memo, st.Anchors, cv.identity)(view)
 		out := compaction.Output{Messages: view, Action: compaction.ActionNone, Context: e, Forwarded: e.Tokens}
-		if window > 0 {
-			out.Budget = window - max(s.cfg.Compaction.ReserveTokens, maxTokens)
-		}
+		out.Budget = compaction.Budget(window, s.cfg.Compaction.ReserveTokens, maxTokens)
 		return out
 	}
 	if !o.enabled || s.engine == nil || window == 0 {
@@ -288,9 +286,19 @@ func (s *Server) prepareChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 	bypass := strings.EqualFold(r.Header.Get("X-Compactproxy-Bypass"), "true")
 	opts := compactOptions{enabled: s.cfg.Compaction.Enabled && !bypass, summarize: true, commit: true}
 	cr.client = cr.forward
+	var last compaction.Output
 	run := func(ctx context.Context) {
 		out, spent := s.compact(ctx, r, cv, cr.client, req.Model, req.MaxTokens, opts)
+		last = out
 		cr.spent += spent
+		if out.Events.Impossible && !opts.ignoreThrottle {
+			s.metrics.CompactionImpossible.Inc()
+			if s.impossible.once(cv.key) {
+				s.log.Warn("fixed part over the budget; forwarding without compaction",
+					zap.String("request_id", ri.id), zap.String("conversation", cv.id),
+					zap.Int("fixed_tokens", out.Fixed), zap.Int("budget", out.Budget))
+			}
+		}
 		if !sameView(out.Messages, cr.forward) {
 			cr.forward = out.Messages
 			cr.unchanged = false
@@ -327,10 +335,21 @@ func (s *Server) prepareChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 		if info.prompt > 0 {
 			s.recordAnchor(ctx, ri.id, cv, cr.forward, anchor.Usage{Input: info.prompt, Uncached: info.prompt, HasInput: true})
 		}
-		before := cr.forward
+		before, _, err := cv.memo.chain(cr.forward)
+		if err != nil {
+			return false
+		}
+		refused := before[len(before)-1]
 		opts.ignoreThrottle = true
 		run(ctx)
-		return !sameView(before, cr.forward)
+		// Retry only with a view that differs from the refused one (by
+		// digest: an equal view would be refused again) and is estimated
+		// under the new target.
+		after, _, err := cv.memo.chain(cr.forward)
+		if err != nil || after[len(after)-1] == refused {
+			return false
+		}
+		return last.Target > 0 && last.Forwarded < last.Target
 	}
 	// The usage hook: record the provider's measurement for exactly the
 	// messages forwarded, before the response's last byte is written.
@@ -351,16 +370,20 @@ func (s *Server) recordAnchor(ctx context.Context, reqID string, cv *conversatio
 	if err != nil {
 		return
 	}
-	a, ok := anchor.NewAnchor(chain, u, time.Now().Unix())
+	total := 0
+	for _, t := range local {
+		total += t
+	}
+	a, ok := anchor.NewAnchor(chain, u, time.Now().Unix(), total)
 	if !ok {
 		return
 	}
-	ratio := s.calibration.Ratio(identity)
+	fit := s.calibration.Fit(identity)
 	if err := s.store.Update(ctx, key, func(st *compaction.State) {
 		// Calibrate on what this view's estimate was, against the
 		// provider's answer: an anchored estimate teaches only about the
 		// messages after its anchor.
-		s.calibration.ObserveEstimate(identity, anchor.EstimateView(chain, local, st.Anchors, ratio), u.Input)
+		s.calibration.ObserveEstimate(identity, anchor.EstimateView(chain, local, st.Anchors, fit), u.Input)
 		st.AddAnchor(a)
 	}); err != nil {
 		s.log.Warn("anchor record failed", zap.String("request_id", reqID), zap.Error(err))
@@ -438,4 +461,25 @@ func summarizeErrorKind(err error) string {
 		return "no model"
 	}
 	return "error"
+}
+
+// onceSet remembers keys so that a warning is logged once per key (a
+// conversation); bounded, it forgets everything when full.
+type onceSet struct {
+	mu sync.Mutex
+	m  map[string]struct{}
+}
+
+// once reports whether key was not seen before.
+func (o *onceSet) once(key string) bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if _, ok := o.m[key]; ok {
+		return false
+	}
+	if o.m == nil || len(o.m) >= 4096 {
+		o.m = map[string]struct{}{}
+	}
+	o.m[key] = struct{}{}
+	return true
 }

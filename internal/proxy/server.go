@@ -44,6 +44,7 @@ type Server struct {
 	store        stateStore
 	convLocks    keyedMutex
 	calibration  *anchor.Calibration
+	impossible   onceSet // conversations warned about a fixed part over the budget
 	local        anchor.LocalEstimator
 	engine       *compaction.Engine
 	digests      *digestCache

@@ -2,9 +2,11 @@ package proxy
 
 import (
 	"context"
+	"math"
 	"net/http"
 	"strings"
 
+	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
 	"github.com/compactproxy/compactproxy/internal/summarizer"
@@ -23,6 +25,8 @@ func (s *Server) compactionConfig() compaction.Config {
 		SummarizerEnabled:    c.Summarizer.Enabled,
 		Shadow:               c.Mode == "shadow",
 		SummaryTokens:        c.Summarizer.MaxTokens,
+		SummaryMinTokens:     c.SummaryMinTokens,
+		TailRatio:            c.TailRatio,
 	}
 }
 
@@ -32,14 +36,14 @@ type boundedSummarizer struct {
 	sem chan struct{}
 }
 
-func (b boundedSummarizer) Summarize(ctx context.Context, head []chat.Message, previous string) (string, error) {
+func (b boundedSummarizer) Summarize(ctx context.Context, head []chat.Message, previous string, maxTokens int) (string, error) {
 	select {
 	case b.sem <- struct{}{}:
 	case <-ctx.Done():
 		return "", ctx.Err()
 	}
 	defer func() { <-b.sem }()
-	return b.sum.Summarize(ctx, head, previous)
+	return b.sum.Summarize(ctx, head, previous, maxTokens)
 }
 
 // newSummarizer builds the HTTP summarizer with the same retry policy as
@@ -62,8 +66,7 @@ func (s *Server) newSummarizer() compaction.Summarizer {
 	// DESIGN: max_completion_tokens for dialect openai, max_tokens
 	// otherwise; the summarizer has no dialect key of its own.
 	dialect := s.cfg.Upstream.Dialect
-	client := &http.Client{Transport: retryTransport{r: s.retrier, op: "summarize"}}
-	sum := summarizer.New(client, summarizer.Options{
+	sum := summarizer.New(retryTransport{r: s.retrier, op: "summarize"}, summarizer.Options{
 		URL:       url,
 		APIKey:    key,
 		Model:     c.Model,
@@ -76,10 +79,28 @@ func (s *Server) newSummarizer() compaction.Summarizer {
 }
 
 // summarizeContext carries what the summarizer may use of this request: the
-// requested model, and the client's credentials only when the summarizer is
-// the chat upstream itself and the proxy holds no key of its own.
+// requested model, the summarizer model's window and calibrated token
+// counter (when it is known like any window: the chat upstream's models,
+// or a model the models table names), and the client's credentials only
+// when the summarizer is the chat upstream itself and the proxy holds no
+// key of its own.
 func (s *Server) summarizeContext(ctx context.Context, r *http.Request, model string) context.Context {
 	ctx = summarizer.WithModel(ctx, model)
+	sumModel := s.cfg.Compaction.Summarizer.Model
+	if sumModel == "" {
+		sumModel = model
+	}
+	if s.summarizerIsUpstream {
+		if w := s.windows.get(sumModel); w > 0 {
+			ctx = summarizer.WithWindow(ctx, w)
+		}
+		fit := s.calibration.Fit(s.modelIdentity(sumModel))
+		ctx = summarizer.WithCounter(ctx, func(text string) int {
+			return textTokens(fit, len(text))
+		})
+	} else if w := s.windows.table[sumModel]; w > 0 {
+		ctx = summarizer.WithWindow(ctx, w)
+	}
 	if s.summarizerIsUpstream && s.cfg.Compaction.Summarizer.APIKey == "" && s.cfg.Upstream.APIKey == "" {
 		h := http.Header{}
 		for _, k := range []string{"Authorization", "X-Api-Key", "Api-Key"} {
@@ -90,4 +111,18 @@ func (s *Server) summarizeContext(ctx context.Context, r *http.Request, model st
 		ctx = summarizer.WithCredentials(ctx, h)
 	}
 	return ctx
+}
+
+// textTokens is the calibrated estimate of n bytes of text sent as one
+// message: the local estimator's count of such a message, scaled by the
+// model's ratio (the request's fixed overhead is the summarizer's own
+// allowance).
+func textTokens(fit anchor.Fit, n int) int {
+	local := anchor.MessageOverheadTokens + (n+3)/4
+	r := fit.Ratio
+	if !(r > 0) {
+		r = 1
+	}
+	r = min(max(r, anchor.MinRatio), anchor.MaxRatio)
+	return int(math.Ceil(float64(local) * r))
 }

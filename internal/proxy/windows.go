@@ -12,8 +12,10 @@ import (
 )
 
 // windows resolves a model's context window in DESIGN's order: the models
-// table, upstream.context_window, discovery (llama.cpp /props n_ctx, vLLM
-// /v1/models max_model_len), then what an overflow error taught.
+// table; else the smaller of upstream.context_window and an n_ctx learned
+// from an overflow answer (the upstream's own word beats a stale setting);
+// else discovery (llama.cpp /props n_ctx, vLLM /v1/models max_model_len),
+// lowered by a learned n_ctx too; else the learned n_ctx alone.
 type windows struct {
 	mu         sync.RWMutex
 	table      map[string]int
@@ -33,19 +35,31 @@ func (w *windows) get(model string) int {
 	if n := w.table[model]; n > 0 {
 		return n
 	}
-	if w.configured > 0 {
-		return w.configured
-	}
 	w.mu.RLock()
 	defer w.mu.RUnlock()
-	if n := w.discovered[model]; n > 0 {
+	learned := w.learned[model]
+	lower := func(n int) int {
+		if learned > 0 && learned < n {
+			return learned
+		}
 		return n
 	}
-	if w.discDef > 0 {
-		return w.discDef
+	if w.configured > 0 {
+		return lower(w.configured)
 	}
-	return w.learned[model]
+	if n := w.discovered[model]; n > 0 {
+		return lower(n)
+	}
+	if w.discDef > 0 {
+		return lower(w.discDef)
+	}
+	return learned
 }
+
+// needsDiscovery tells whether any model may lack a configured window
+// (discovery runs only then: a configured upstream.context_window covers
+// every model).
+func (w *windows) needsDiscovery() bool { return w.configured == 0 }
 
 // learn records an n_ctx reported by an overflow error.
 func (w *windows) learn(model string, n int) {
@@ -72,7 +86,8 @@ func (w *windows) warnOnce(model string) bool {
 
 // discover reads the upstream's window: llama.cpp /props and the
 // OpenAI-style /models list (vLLM's max_model_len). Never on a request path.
-func (s *Server) discover(ctx context.Context) {
+// It reports whether a window was found.
+func (s *Server) discover(ctx context.Context) bool {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	get := func(u string, v any) bool {
@@ -126,17 +141,44 @@ func (s *Server) discover(ctx context.Context) {
 	s.windows.mu.Unlock()
 	if def > 0 || len(per) > 0 {
 		s.log.Info("context window discovered", zap.Int("n_ctx", def), zap.Int("models", len(per)))
+		return true
 	}
+	return false
 }
 
 // Start begins background work; it returns at once. ctx ends it.
+//
+// Discovery runs only when upstream.context_window is not set. At start-up
+// it retries with backoff (1 s doubling, up to upstream.discovery_interval)
+// until it finds a window — a sidecar often starts before llama-server has
+// loaded its model (its /props answers 503 then) — and then re-reads it
+// every discovery_interval.
 func (s *Server) Start(ctx context.Context) {
+	if !s.windows.needsDiscovery() {
+		return
+	}
 	go func() {
-		s.discover(ctx)
-		if s.windows.configured == 0 && s.windows.discDefault() == 0 && len(s.cfg.Models) == 0 {
-			s.log.Warn("context window unknown: chat requests are forwarded without compaction until it is known (set upstream.context_window or models)")
-		}
 		iv := s.cfg.Upstream.DiscoveryInterval
+		wait := time.Second
+		if iv > 0 && wait > iv {
+			wait = iv
+		}
+		warned := false
+		for !s.discover(ctx) {
+			if !warned && len(s.cfg.Models) == 0 {
+				s.log.Warn("context window unknown: chat requests are forwarded without compaction until it is known (set upstream.context_window or models)")
+				warned = true
+			}
+			if iv <= 0 {
+				return
+			}
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(wait):
+			}
+			wait = min(wait*2, iv)
+		}
 		if iv <= 0 {
 			return
 		}
@@ -151,10 +193,4 @@ func (s *Server) Start(ctx context.Context) {
 			}
 		}
 	}()
-}
-
-func (w *windows) discDefault() int {
-	w.mu.RLock()
-	defer w.mu.RUnlock()
-	return w.discDef
 }

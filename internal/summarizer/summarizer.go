@@ -34,6 +34,9 @@ var (
 	ErrStatus = errors.New("summarizer: error status")
 	// ErrBadResponse: the answer was not a chat completion.
 	ErrBadResponse = errors.New("summarizer: bad response")
+	// ErrWindowTooSmall: the summarizer model's window cannot hold the
+	// instructions, the running summary and a useful piece of transcript.
+	ErrWindowTooSmall = errors.New("summarizer: window too small")
 )
 
 // StatusError is a non-2xx answer. errors.Is(err, ErrStatus) holds.
@@ -60,7 +63,8 @@ type Options struct {
 	APIKey string
 	// Model is the summarizing model; "" = the request's model (WithModel).
 	Model string
-	// MaxTokens bounds the summary (0 = not sent).
+	// MaxTokens bounds the summary when a call gives no limit of its own
+	// (0 = not sent).
 	MaxTokens int
 	// Dialect "openai" sends max_completion_tokens, anything else
 	// max_tokens (llama.cpp, vLLM, older servers).
@@ -68,29 +72,52 @@ type Options struct {
 	// Timeout bounds each call (a chunked summary makes several); 0 = none
 	// beyond the context's.
 	Timeout time.Duration
-	// Window is the summarizer model's context window in tokens (0 =
-	// unknown: never chunk). A head whose transcript exceeds ~60% of it is
-	// summarized in chunks, each folded into the running summary.
+	// Window is the summarizer model's context window in tokens when the
+	// context carries none (WithWindow); 0 = unknown: never chunk. Every
+	// request's prompt plus the tokens it asks for fits windowShare of it;
+	// a head that does not fit one request is summarized in chunks, each
+	// folded into the running summary.
 	Window int
 }
 
 // Client calls the summarizer endpoint. Safe for concurrent use.
 type Client struct {
-	http *http.Client
-	opt  Options
+	rt  http.RoundTripper
+	opt Options
 }
 
-// New returns a client. hc nil means http.DefaultClient.
-func New(hc *http.Client, opt Options) *Client {
-	if hc == nil {
-		hc = http.DefaultClient
+// New returns a client. rt nil means http.DefaultTransport. Calls go
+// through RoundTrip, never an http.Client: a redirect from the endpoint is
+// an error status, not a POST silently turned into a GET elsewhere.
+func New(rt http.RoundTripper, opt Options) *Client {
+	if rt == nil {
+		rt = http.DefaultTransport
 	}
 	opt.URL = strings.TrimRight(opt.URL, "/")
-	return &Client{http: hc, opt: opt}
+	return &Client{rt: rt, opt: opt}
 }
 
 type credentialsKey struct{}
 type modelKey struct{}
+type windowKey struct{}
+type counterKey struct{}
+
+// Counter estimates the tokens the summarizer model spends on text sent as
+// one message (the proxy's calibrated estimate of that model).
+type Counter func(text string) int
+
+// WithWindow returns ctx carrying the summarizer model's context window
+// (known like any window: configured, discovered or learned).
+func WithWindow(ctx context.Context, window int) context.Context {
+	return context.WithValue(ctx, windowKey{}, window)
+}
+
+// WithCounter returns ctx carrying the calibrated token counter of the
+// summarizer model; without one, text counts one token per
+// fallbackBytesPerToken bytes.
+func WithCounter(ctx context.Context, c Counter) context.Context {
+	return context.WithValue(ctx, counterKey{}, c)
+}
 
 // credentialHeaders are the headers that carry a client's credentials.
 var credentialHeaders = []string{"Authorization", "X-Api-Key", "Api-Key"}
@@ -117,18 +144,23 @@ func WithModel(ctx context.Context, model string) context.Context {
 
 // Limits of what is sent.
 const (
-	// bytesPerToken estimates tokens from bytes (chunking only).
-	bytesPerToken = 4
-	// windowShare is the part of the summarizer's window the prompt may
-	// fill; the rest is for the answer and the estimate's error.
-	windowShare = 0.6
+	// fallbackBytesPerToken counts tokens when the context carries no
+	// Counter. It is deliberately low (small-vocabulary tokenizers spend
+	// ~1.4 bytes per token on code): overcounting only makes chunks smaller.
+	fallbackBytesPerToken = 1.5
+	// windowShare is the part of the summarizer's window that a request's
+	// prompt plus the answer it asks for may fill; the rest absorbs the
+	// estimate's error.
+	windowShare = 0.9
+	// templateTokens: what a chat template adds around the two messages.
+	templateTokens = 64
+	// minChunkTokens: the smallest transcript chunk worth a call.
+	minChunkTokens = 128
 	// maxToolOutput is how much of one tool result the transcript keeps
 	// (head and tail excerpt); a summary needs the gist, not the bytes.
 	maxToolOutput = 6000
 	// maxMessageText bounds any other message's text in the transcript.
 	maxMessageText = 16000
-	// minChunk is the smallest chunk sent even when the window is tiny.
-	minChunk = 2048
 	// maxResponse bounds the answer read from the endpoint.
 	maxResponse = 8 << 20
 )
@@ -157,8 +189,15 @@ Rules:
 - Answer with the summary only, without preamble.`
 
 // Summarize returns a summary of head that folds previous (the summary the
-// head continues, "" when none). It implements compaction.Summarizer.
-func (c *Client) Summarize(ctx context.Context, head []chat.Message, previous string) (string, error) {
+// head continues, "" when none), of at most maxTokens tokens (0 =
+// Options.MaxTokens). It implements compaction.Summarizer.
+//
+// When the summarizer model's window is known (WithWindow, else
+// Options.Window), every request fits it: the prompt, counted with the
+// context's Counter, plus the tokens it asks for stay within windowShare
+// of the window; a longer head is sent in chunks, each folded into the
+// running summary.
+func (c *Client) Summarize(ctx context.Context, head []chat.Message, previous string, maxTokens int) (string, error) {
 	model := c.opt.Model
 	if model == "" {
 		model, _ = ctx.Value(modelKey{}).(string)
@@ -166,13 +205,20 @@ func (c *Client) Summarize(ctx context.Context, head []chat.Message, previous st
 	if model == "" {
 		return "", ErrNoModel
 	}
+	if maxTokens <= 0 {
+		maxTokens = c.opt.MaxTokens
+	}
 	blocks := make([]string, 0, len(head))
 	for i := range head {
 		blocks = append(blocks, renderMessage(&head[i]))
 	}
 	summary := strings.TrimSpace(previous)
-	for _, chunk := range c.chunks(blocks, summary) {
-		s, err := c.call(ctx, model, summary, chunk)
+	chunks, err := c.chunks(ctx, blocks, summary, maxTokens)
+	if err != nil {
+		return "", err
+	}
+	for _, chunk := range chunks {
+		s, err := c.call(ctx, model, summary, chunk, maxTokens)
 		if err != nil {
 			return "", err
 		}
@@ -181,44 +227,79 @@ func (c *Client) Summarize(ctx context.Context, head []chat.Message, previous st
 	return summary, nil
 }
 
-// chunks packs the rendered messages into transcripts that fit the share
-// of the summarizer's window (one transcript when the window is unknown or
-// everything fits). The running summary's size is reserved as it stands
-// now; later chunks fold a summary of comparable size.
-func (c *Client) chunks(blocks []string, previous string) []string {
+// counter returns the context's Counter, else the byte fallback.
+func counter(ctx context.Context) Counter {
+	if f, ok := ctx.Value(counterKey{}).(Counter); ok && f != nil {
+		return f
+	}
+	return func(text string) int { return int(float64(len(text))/fallbackBytesPerToken) + 4 }
+}
+
+// window returns the summarizer model's window (0 = unknown).
+func (c *Client) window(ctx context.Context) int {
+	if w, ok := ctx.Value(windowKey{}).(int); ok && w > 0 {
+		return w
+	}
+	return c.opt.Window
+}
+
+// chunks packs the rendered messages into transcripts whose requests fit
+// the summarizer's window (one transcript when the window is unknown or
+// everything fits). Room is reserved for the running summary as the larger
+// of its size now and maxTokens (later chunks fold a summary of up to that
+// size), and for the answer. A block larger than a chunk is cut to fit.
+func (c *Client) chunks(ctx context.Context, blocks []string, previous string, maxTokens int) ([]string, error) {
+	win := c.window(ctx)
+	if win <= 0 {
+		return []string{strings.Join(blocks, "")}, nil
+	}
+	count := counter(ctx)
+	sizes := make([]int, len(blocks))
 	total := 0
-	for _, b := range blocks {
-		total += len(b)
+	for i, b := range blocks {
+		sizes[i] = count(b)
+		total += sizes[i]
 	}
-	if c.opt.Window <= 0 {
-		return []string{strings.Join(blocks, "")}
+	fixed := count(systemPrompt) + count(foldInstruction) + templateTokens
+	limit := int(float64(win)*windowShare) - maxTokens - fixed
+	if total+count(previous) <= limit {
+		return []string{strings.Join(blocks, "")}, nil
 	}
-	limit := int(float64(c.opt.Window)*windowShare) * bytesPerToken
-	summaryRoom := max(len(previous), c.opt.MaxTokens*bytesPerToken)
-	capacity := max(limit-len(systemPrompt)-summaryRoom-512, minChunk)
-	if total+len(previous)+len(systemPrompt)+512 <= limit {
-		return []string{strings.Join(blocks, "")}
+	capacity := limit - max(count(previous), maxTokens)
+	if capacity < minChunkTokens {
+		return nil, fmt.Errorf("%w: %d tokens, %d for the answer", ErrWindowTooSmall, win, maxTokens)
 	}
 	var out []string
 	var cur strings.Builder
-	for _, b := range blocks {
-		if len(b) > capacity {
-			b = cut(b, capacity)
+	curTokens := 0
+	for i, b := range blocks {
+		t := sizes[i]
+		if t > capacity {
+			// Keep the share of its bytes that fits (the count is about
+			// proportional to the bytes), with a margin for the marker.
+			b = cut(b, max(len(b)*(capacity-16)/t, 64))
+			t = count(b)
 		}
-		if cur.Len() > 0 && cur.Len()+len(b) > capacity {
+		if curTokens > 0 && curTokens+t > capacity {
 			out = append(out, cur.String())
 			cur.Reset()
+			curTokens = 0
 		}
 		cur.WriteString(b)
+		curTokens += t
 	}
 	if cur.Len() > 0 {
 		out = append(out, cur.String())
 	}
-	return out
+	return out, nil
 }
 
+// foldInstruction is the longest wrapper text a chunk's user message adds
+// around the previous summary and the transcript.
+const foldInstruction = "Previous summary:\n<previous_summary>\n\n</previous_summary>\n\nThe conversation continued as follows. Fold it into the previous summary.\n<transcript>\n</transcript>"
+
 // call makes one summarize request.
-func (c *Client) call(ctx context.Context, model, previous, transcript string) (string, error) {
+func (c *Client) call(ctx context.Context, model, previous, transcript string, maxTokens int) (string, error) {
 	var user strings.Builder
 	if previous != "" {
 		user.WriteString("Previous summary:\n<previous_summary>\n")
@@ -239,9 +320,9 @@ func (c *Client) call(ctx context.Context, model, previous, transcript string) (
 		},
 	}
 	if c.opt.Dialect == "openai" {
-		req.MaxCompletionTokens = c.opt.MaxTokens
+		req.MaxCompletionTokens = maxTokens
 	} else {
-		req.MaxTokens = c.opt.MaxTokens
+		req.MaxTokens = maxTokens
 	}
 	body, err := json.Marshal(req)
 	if err != nil {
@@ -266,7 +347,7 @@ func (c *Client) call(ctx context.Context, model, previous, transcript string) (
 			hr.Header[k] = v
 		}
 	}
-	resp, err := c.http.Do(hr)
+	resp, err := c.rt.RoundTrip(hr)
 	if err != nil {
 		return "", fmt.Errorf("summarizer: call: %w", err)
 	}

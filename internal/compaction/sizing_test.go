@@ -1,0 +1,185 @@
+package compaction
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/compactproxy/compactproxy/internal/chat"
+)
+
+// At a small window the summary is sized to the room instead of judged by
+// a placeholder of SummaryTokens: a 2,048-token model with the default
+// 1,024-token summarizer limit gets a summary, never a drop, and the
+// summarize call is asked for no more than the room the target leaves.
+func TestSmallWindowSummarizes(t *testing.T) {
+	cfg := baseConfig()
+	cfg.SummaryTokens = DefaultSummaryTokens
+	cfg.ReserveTokens = 4096 // the default: capped at a quarter of the window
+	sum := okSummarizer()
+	s := &session{tb: t, e: New(cfg, sum, newClock()), win: 2048}
+	conv := agentSteps(1, 600)
+	summarized := 0
+	for step := 0; step < 30; step++ {
+		msgs := parse(t, conv)
+		out := s.step(msgs)
+		checkView(t, msgs, out)
+		if out.Budget != 2048-512 {
+			t.Fatalf("step %d: budget %d, want window − window/4", step, out.Budget)
+		}
+		if slices.Contains(out.Events.NewActions, ActionDropped) {
+			t.Fatalf("step %d: dropped although a summary fits", step)
+		}
+		if got := fakeEstimate(out.Messages).Tokens; got > out.Budget {
+			t.Fatalf("step %d: forwarded %d over the budget %d", step, got, out.Budget)
+		}
+		if out.Events.SummarizeCalled {
+			summarized++
+			lim := sum.limits[len(sum.limits)-1]
+			if lim < DefaultSummaryMinTokens || lim > out.Target-out.Fixed {
+				t.Fatalf("step %d: summary limit %d outside [%d, room %d]", step, lim, DefaultSummaryMinTokens, out.Target-out.Fixed)
+			}
+		}
+		id := fmt.Sprintf("s%d", step)
+		conv = append(conv, callMsg("", id+`:read:{}`), toolMsg(id, blob(id, 600)))
+	}
+	if summarized == 0 {
+		t.Fatal("no summary made at a 2,048-token window")
+	}
+}
+
+// A later summary folds the previous one and is sent only the head
+// messages after the previous cut, as forwarded (trimmed results as their
+// excerpts).
+func TestIncrementalHead(t *testing.T) {
+	cfg := baseConfig()
+	cfg.MinInterval = 0
+	sum := okSummarizer()
+	s := &session{tb: t, e: New(cfg, sum, newClock()), win: 6000}
+	conv := agentSteps(2, 500)
+	for step := 0; step < 60 && sum.Calls() < 2; step++ {
+		msgs := parse(t, conv)
+		s.step(msgs)
+		id := fmt.Sprintf("i%d", step)
+		size := 500
+		if step%3 == 0 {
+			size = 6000 // long enough to be trimmed in the head
+		}
+		conv = append(conv, callMsg("", id+`:read:{}`), toolMsg(id, blob(id, size)))
+	}
+	if sum.Calls() < 2 {
+		t.Fatalf("%d summaries, want 2", sum.Calls())
+	}
+	first, second := sum.heads[0], sum.heads[1]
+	if sum.prevs[1] == "" || !strings.Contains(sum.prevs[1], "Summary #1") {
+		t.Fatalf("second summary does not fold the first: %q", sum.prevs[1])
+	}
+	for _, m := range second {
+		for _, f := range first {
+			if string(m.Raw) == string(f.Raw) {
+				t.Fatalf("message sent to the summarizer twice: %.60s", m.Raw)
+			}
+		}
+		if m.Role == "system" || (m.Role == "user" && chat.Text(m) == ask) {
+			t.Fatalf("second head carries %s message already summarized", m.Role)
+		}
+		if m.Role == "tool" && m.TextBytes > 5000 {
+			t.Fatalf("a long result went to the summarizer untrimmed (%d bytes)", m.TextBytes)
+		}
+	}
+}
+
+// With the summarizer off, drops never remove the task (first user
+// message) or the most recent user instruction, and roles alternate where
+// a dropped range closes.
+func TestDropKeepsTaskAndInstruction(t *testing.T) {
+	cfg := baseConfig()
+	cfg.SummarizerEnabled = false
+	s := &session{tb: t, e: New(cfg, nil, newClock()), win: 8000}
+	conv := agentSteps(12, 900)
+	instr := userMsg("now also add a unit test for the retry")
+	conv = append(conv, instr)
+	conv = append(conv, asstMsg("will do"))
+	conv = append(conv, userMsg("go on"))
+	dropped := false
+	for step := 0; step < 25; step++ {
+		msgs := parse(t, conv)
+		out := s.step(msgs)
+		checkView(t, msgs, out)
+		if got := fakeEstimate(out.Messages).Tokens; got > out.Budget {
+			t.Fatalf("step %d: forwarded %d over the budget %d", step, got, out.Budget)
+		}
+		dropped = dropped || len(out.State.Drops) > 0
+		latest := -1
+		for i := range msgs {
+			if msgs[i].Role == "user" {
+				latest = i
+			}
+		}
+		if count(out.Messages, msgs[1].Raw) != 1 || count(out.Messages, msgs[latest].Raw) != 1 {
+			t.Fatalf("step %d: task or latest instruction dropped: %s", step, roles(out.Messages))
+		}
+		for i := 1; i < len(out.Messages); i++ {
+			a, b := out.Messages[i-1].Role, out.Messages[i].Role
+			if (a == "user" || a == "assistant") && a == b {
+				t.Fatalf("step %d: two %s messages meet: %s", step, a, roles(out.Messages))
+			}
+		}
+		id := fmt.Sprintf("d%d", step)
+		conv = append(conv, callMsg("", id+`:read:{}`), toolMsg(id, blob(id, 900)))
+	}
+	if !dropped {
+		t.Fatal("nothing was dropped: the test does not reach step 4")
+	}
+}
+
+// A fixed part over the budget: nothing new is done, the event says so.
+func TestFixedPartOverBudget(t *testing.T) {
+	sum := okSummarizer()
+	big := agentSteps(3, 300)
+	big[0] = sysMsg(blob("system", 9000))
+	msgs := parse(t, big)
+	out := New(baseConfig(), sum, newClock()).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
+		Window: 2000, Estimate: fakeEstimate, Summarize: true})
+	if !out.Events.Impossible || out.Action != ActionNone || sum.Calls() != 0 || &out.Messages[0] != &msgs[0] {
+		t.Fatalf("impossible %v action %q calls %d", out.Events.Impossible, out.Action, sum.Calls())
+	}
+	// The same conversation at a window that holds it is not impossible.
+	out = New(baseConfig(), sum, newClock()).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
+		Window: 100000, Estimate: fakeEstimate, Summarize: true})
+	if out.Events.Impossible {
+		t.Fatal("impossible at a large window")
+	}
+}
+
+// The verbatim tail extends by whole turns up to tail_ratio of the room:
+// with 0.3 the summary keeps more of the recent results verbatim than
+// keep_tail alone, and never opens the tail on a tool result.
+func TestTailRatio(t *testing.T) {
+	kept := func(ratio float64) int {
+		cfg := baseConfig()
+		cfg.TailRatio = ratio
+		sum := okSummarizer()
+		msgs := parse(t, agentSteps(30, 800))
+		out := New(cfg, sum, newClock()).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
+			Window: 9000, Estimate: fakeEstimate, Summarize: true})
+		if out.Action != ActionSummarized {
+			t.Fatalf("ratio %v: action %q", ratio, out.Action)
+		}
+		st := out.State.Summary
+		if isToolRole(msgs[st.Cut].Role) {
+			t.Fatalf("ratio %v: tail opens on a tool result", ratio)
+		}
+		tailTokens := fakeEstimate(msgs[st.Cut:]).Tokens
+		if room := out.Budget - out.Fixed; ratio > 0 && tailTokens > int(ratio*float64(room))+1 {
+			t.Fatalf("ratio %v: tail %d tokens over %v of the room %d", ratio, tailTokens, ratio, room)
+		}
+		return verbatimTail(msgs, out.Messages)
+	}
+	floor, extended := kept(0), kept(0.3)
+	if extended <= floor+2 {
+		t.Fatalf("tail_ratio 0.3 kept %d messages verbatim, keep_tail alone %d", extended, floor)
+	}
+}
