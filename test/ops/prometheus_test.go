@@ -133,7 +133,7 @@ type loopTally struct {
 	withHeaders         int
 	streamErrors, cuts  int
 	flaky, broken, pair int
-	mystery             int
+	mystery, impossible int
 }
 
 type chatClient struct {
@@ -501,6 +501,7 @@ scrape_configs:
 	c.send("loop", []msg{{"role": "user", "content": "warm-up " + markCut}}, true)
 	tl.cuts++
 	c.send("loop", oversized(0), false)
+	tl.impossible++
 	warm := 0
 	for _, n := range tl.codes {
 		warm += n
@@ -538,6 +539,7 @@ scrape_configs:
 	// (compaction_impossible_total), the request goes out as it is.
 	for i := 1; i <= 2; i++ {
 		c.send("loop", oversized(i), false)
+		tl.impossible++
 	}
 	for i := range 3 {
 		c.send("mystery", []msg{{"role": "user", "content": fmt.Sprintf("hello %d", i)}}, false)
@@ -618,6 +620,13 @@ scrape_configs:
 	}
 	if v := raw(`compactproxy_unknown_window_total`)[""]; v != float64(tl.mystery) {
 		t.Errorf("unknown_window_total = %v, the loop sent %d requests for the unknown model", v, tl.mystery)
+	}
+
+	if v := raw(`compactproxy_compaction_impossible_total`); have["compactproxy_compaction_impossible_total"] && v[""] != float64(tl.impossible) {
+		t.Errorf("compaction_impossible_total = %v, the loop sent %d requests whose system prompt exceeds the budget", v[""], tl.impossible)
+	}
+	if v := raw(`compactproxy_stream_aborts_total`); have["compactproxy_stream_aborts_total"] && v[""] != float64(tl.cuts) {
+		t.Errorf("stream_aborts_total = %v, the upstream cut %d streams", v[""], tl.cuts)
 	}
 
 	// Every dashboard query parses and returns data where its metrics exist.
