@@ -252,9 +252,6 @@ func (s *Server) compact(ctx context.Context, r *http.Request, cv *conversation,
 	}
 	if o.commit {
 		s.countCompaction(reqID, out)
-		if out.Events.SummarizeCalled {
-			s.metrics.ObserveSummarize(out.Events.SummarizeOK, spent)
-		}
 		if out.StateChanged {
 			if err := s.store.Save(ctx, cv.key, out.State); err != nil {
 				s.log.Warn("state save failed", zap.String("request_id", reqID), zap.Error(err))
@@ -291,6 +288,9 @@ func (s *Server) prepareChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 		out, spent := s.compact(ctx, r, cv, cr.client, req.Model, req.MaxTokens, opts)
 		last = out
 		cr.spent += spent
+		if out.Events.SummarizeCalled {
+			s.metrics.ObserveSummarize(out.Events.SummarizeOK, spent)
+		}
 		if out.Events.Impossible && !opts.ignoreThrottle {
 			s.metrics.CompactionImpossible.Inc()
 			if s.impossible.once(cv.key) {
