@@ -97,6 +97,18 @@ func New(reg prometheus.Registerer) *Metrics {
 	for _, r := range []string{"hit", "miss"} {
 		m.AnchorLookups.WithLabelValues(r)
 	}
+	// Counters that alerts watch with increase()/rate(): a series born at
+	// its first increment has no earlier sample, so Prometheus would miss
+	// that first violation or retry.
+	for _, k := range []string{"orphan_tool_result", "unanswered_tool_call", "duplicate_tool_call_id",
+		"interleaved_message", "missing_tool_call_id", "orphan_function_result"} {
+		m.PairingViolations.WithLabelValues(k)
+	}
+	for _, op := range []string{"chat", "summarize"} {
+		for _, r := range []string{"connect", "status_429", "status_5xx", "context_overflow", "stream_options"} {
+			m.UpstreamRetries.WithLabelValues(op, r)
+		}
+	}
 	for _, k := range []string{"uncached", "cache_read", "cache_write"} {
 		m.UsageInputTokens.WithLabelValues(k)
 	}
@@ -109,18 +121,6 @@ func New(reg prometheus.Registerer) *Metrics {
 	}
 	for _, a := range []string{"trimmed", "summarized", "reused", "dropped"} {
 		m.Compactions.WithLabelValues(a)
-	}
-	// Counters that alerts watch with increase()/rate(): a series born at
-	// its first increment has no earlier sample, so Prometheus would miss
-	// that first violation or retry.
-	for _, k := range []string{"orphan_tool_result", "unanswered_tool_call", "duplicate_tool_call_id",
-		"interleaved_message", "missing_tool_call_id", "orphan_function_result"} {
-		m.PairingViolations.WithLabelValues(k)
-	}
-	for _, op := range []string{"chat", "summarize"} {
-		for _, r := range []string{"connect", "status_429", "status_5xx", "context_overflow", "stream_options"} {
-			m.UpstreamRetries.WithLabelValues(op, r)
-		}
 	}
 	return m
 }
