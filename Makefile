@@ -6,7 +6,7 @@ IMAGE    ?= compactproxy
 VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS  := -s -w -X main.version=$(VERSION)
 
-.PHONY: all build run test e2e-deps agent-deps bench bench-go bench-load lint docker clean help
+.PHONY: all build run test e2e-deps agent-deps ops-deps bench bench-go bench-load lint docker clean help
 
 all: lint test build
 
@@ -37,7 +37,11 @@ e2e-deps:
 agent-deps:
 	./scripts/agent-deps.sh
 
-test: e2e-deps agent-deps
+# Installs promtool and prometheus (Debian's prometheus package) for test/ops.
+ops-deps:
+	./scripts/ops-deps.sh
+
+test: e2e-deps agent-deps ops-deps
 	$(GO) test -race -count=1 ./...
 
 # Not part of `make test`. bench-go: go test benchmarks (parse and rewrite

@@ -6,6 +6,7 @@ package metrics
 
 import (
 	"strconv"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -30,6 +31,13 @@ type Metrics struct {
 	InvariantFailures   prometheus.Counter
 	UnknownWindow       prometheus.Counter
 	CompactionErrors    prometheus.Counter
+	// ForwardedTokens is the estimate of what was forwarded, observed with
+	// ContextTokens: the difference of their sums is the tokens compaction
+	// saved (dashboards: "tokens saved").
+	ForwardedTokens prometheus.Histogram
+	// SummarizeDuration times the compaction steps that called the
+	// summarizer (every chunk of one summary), by result.
+	SummarizeDuration *prometheus.HistogramVec // result
 	// CompactionImpossible counts chat requests whose fixed part alone
 	// (leading system messages, tools, template) is over the budget.
 	CompactionImpossible prometheus.Counter
@@ -76,6 +84,12 @@ func New(reg prometheus.Registerer) *Metrics {
 			Help: "Chat requests for a model whose context window is unknown (not compacted)."}),
 		CompactionErrors: f.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "compaction_errors_total",
 			Help: "Requests forwarded without compaction because compaction failed (fail open)."}),
+		ForwardedTokens: f.NewHistogram(prometheus.HistogramOpts{Namespace: ns, Name: "forwarded_tokens",
+			Help:    "Estimated tokens of the chat requests as forwarded (after compaction); observed with context_tokens.",
+			Buckets: prometheus.ExponentialBuckets(256, 2, 12)}),
+		SummarizeDuration: f.NewHistogramVec(prometheus.HistogramOpts{Namespace: ns, Name: "summarize_duration_seconds",
+			Help:    "Time of the compaction steps that called the summarizer (all chunks of one summary), by result.",
+			Buckets: prometheus.ExponentialBuckets(0.05, 2, 12)}, []string{"result"}),
 		CompactionImpossible: f.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "compaction_impossible_total",
 			Help: "Chat requests over the budget whose fixed part (system messages, tools, template) alone is over it: forwarded as is."}),
 	}
@@ -83,11 +97,24 @@ func New(reg prometheus.Registerer) *Metrics {
 	for _, r := range []string{"hit", "miss"} {
 		m.AnchorLookups.WithLabelValues(r)
 	}
+	// Counters that alerts watch with increase()/rate(): a series born at
+	// its first increment has no earlier sample, so Prometheus would miss
+	// that first violation or retry.
+	for _, k := range []string{"orphan_tool_result", "unanswered_tool_call", "duplicate_tool_call_id",
+		"interleaved_message", "missing_tool_call_id", "orphan_function_result"} {
+		m.PairingViolations.WithLabelValues(k)
+	}
+	for _, op := range []string{"chat", "summarize"} {
+		for _, r := range []string{"connect", "status_429", "status_5xx", "context_overflow", "stream_options"} {
+			m.UpstreamRetries.WithLabelValues(op, r)
+		}
+	}
 	for _, k := range []string{"uncached", "cache_read", "cache_write"} {
 		m.UsageInputTokens.WithLabelValues(k)
 	}
 	for _, r := range []string{"success", "failure"} {
 		m.Summarize.WithLabelValues(r)
+		m.SummarizeDuration.WithLabelValues(r)
 	}
 	for _, r := range []string{"latch", "throttle"} {
 		m.SummarizeSuppressed.WithLabelValues(r)
@@ -96,6 +123,15 @@ func New(reg prometheus.Registerer) *Metrics {
 		m.Compactions.WithLabelValues(a)
 	}
 	return m
+}
+
+// ObserveSummarize records how long a summarizing compaction step took.
+func (m *Metrics) ObserveSummarize(ok bool, d time.Duration) {
+	result := "failure"
+	if ok {
+		result = "success"
+	}
+	m.SummarizeDuration.WithLabelValues(result).Observe(d.Seconds())
 }
 
 // Code formats an HTTP status for the code label.

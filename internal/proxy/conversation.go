@@ -288,6 +288,9 @@ func (s *Server) prepareChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 		out, spent := s.compact(ctx, r, cv, cr.client, req.Model, req.MaxTokens, opts)
 		last = out
 		cr.spent += spent
+		if out.Events.SummarizeCalled {
+			s.metrics.ObserveSummarize(out.Events.SummarizeOK, spent)
+		}
 		if out.Events.Impossible && !opts.ignoreThrottle {
 			s.metrics.CompactionImpossible.Inc()
 			if s.impossible.once(cv.key) {
@@ -321,6 +324,7 @@ func (s *Server) prepareChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 			s.metrics.AnchorLookups.WithLabelValues("miss").Inc()
 		}
 		s.metrics.ContextTokens.Observe(float64(out.Context.Tokens))
+		s.metrics.ForwardedTokens.Observe(float64(out.Forwarded))
 	}
 	run(ctx)
 	cr.recompact = func(ctx context.Context, info overflowInfo) bool {
