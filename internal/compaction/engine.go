@@ -71,14 +71,30 @@ const (
 	DefaultTailRatio            = 0.3
 )
 
-// Summarizer summarizes the head of a conversation. previous is the summary
-// the head continues ("" when none): the answer must fold it in. head holds
-// only messages no earlier summary covered, as they were forwarded (trims
-// applied, dropped messages left out). maxTokens is the size the summary
-// may have (the room the view leaves for it); the implementation asks its
-// model for at most that many tokens.
+// Summarizer summarizes the head of a conversation (see SummaryRequest).
 type Summarizer interface {
-	Summarize(ctx context.Context, head []chat.Message, previous string, maxTokens int) (string, error)
+	Summarize(ctx context.Context, req SummaryRequest) (string, error)
+}
+
+// SummaryRequest is one summarize call.
+type SummaryRequest struct {
+	// Head holds only messages no earlier summary covered, as they were
+	// forwarded (trims applied, dropped messages left out).
+	Head []chat.Message
+	// Previous is the summary the head continues ("" when none): the
+	// answer must fold it in.
+	Previous string
+	// MaxTokens is the size the summary may have (the room the view
+	// leaves for it); the implementation asks its model for at most that.
+	MaxTokens int
+	// Prefix is the view as forwarded up to the cut: the leading system
+	// messages, the previous summary's block when one applies, then Head.
+	// It is what the upstream's prompt cache holds from the previous
+	// request; PrefixTokens is its estimate. An implementation that calls
+	// the chat upstream itself can extend it instead of sending a
+	// transcript.
+	Prefix       []chat.Message
+	PrefixTokens int
 }
 
 // Clock gives the time (the throttle's only use of it).
@@ -698,6 +714,39 @@ func (r *run) headView(p plan, from, cut int) []chat.Message {
 	return out
 }
 
+// prefixView is the view p forwards, up to client position cut.
+func (r *run) prefixView(p plan, cut int) []chat.Message {
+	q := p
+	q.trims = map[int]int{}
+	for i, k := range p.trims {
+		if i < cut {
+			q.trims[i] = k
+		}
+	}
+	q.drops = nil
+	for _, d := range p.drops {
+		if d.To <= cut {
+			q.drops = append(q.drops, d)
+		}
+	}
+	v := r.view(q)
+	// r.view walks every client message; keep what precedes the cut.
+	n := 0
+	for i := 0; i < cut; i++ {
+		if p.sum != nil && i >= p.sum.Lead && i < p.sum.Cut {
+			if i == p.sum.Lead {
+				n += len(r.block(p.sum))
+			}
+			continue
+		}
+		if q.dropped(i) {
+			continue
+		}
+		n++
+	}
+	return v[:n:n]
+}
+
 // summarize runs step 2 (sizing, latch, throttle, the call) and returns the
 // estimate of the resulting plan and whether a summary now applies.
 func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool) {
@@ -778,7 +827,11 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 	if p.sum != nil {
 		previous = p.sum.Text
 	}
-	text, err := r.e.sum.Summarize(r.ctx, r.headView(*p, headStart, cut), previous, limit)
+	prefix := r.prefixView(*p, cut)
+	text, err := r.e.sum.Summarize(r.ctx, SummaryRequest{
+		Head: r.headView(*p, headStart, cut), Previous: previous, MaxTokens: limit,
+		Prefix: prefix, PrefixTokens: r.est(prefix),
+	})
 	text = strings.TrimSpace(text)
 	if err == nil && text == "" {
 		err = ErrEmptySummary

@@ -105,7 +105,8 @@ type fakeSummarizer struct {
 	fn     func(call int, head []chat.Message, previous string) (string, error)
 }
 
-func (s *fakeSummarizer) Summarize(ctx context.Context, head []chat.Message, previous string, maxTokens int) (string, error) {
+func (s *fakeSummarizer) Summarize(ctx context.Context, req SummaryRequest) (string, error) {
+	head, previous, maxTokens := req.Head, req.Previous, req.MaxTokens
 	s.mu.Lock()
 	s.calls++
 	call := s.calls

@@ -41,6 +41,9 @@ type Metrics struct {
 	// CompactionImpossible counts chat requests whose fixed part alone
 	// (leading system messages, tools, template) is over the budget.
 	CompactionImpossible prometheus.Counter
+	// SummarizeInputTokens is the summarize calls' own reported input
+	// (kind uncached|cache_read|cache_write).
+	SummarizeInputTokens *prometheus.CounterVec
 }
 
 // New registers the metrics on reg, plus the Go and process collectors.
@@ -90,12 +93,17 @@ func New(reg prometheus.Registerer) *Metrics {
 		SummarizeDuration: f.NewHistogramVec(prometheus.HistogramOpts{Namespace: ns, Name: "summarize_duration_seconds",
 			Help:    "Time of the compaction steps that called the summarizer (all chunks of one summary), by result.",
 			Buckets: prometheus.ExponentialBuckets(0.05, 2, 12)}, []string{"result"}),
+		SummarizeInputTokens: f.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "summarize_input_tokens_total",
+			Help: "Input tokens the summarize calls' answers reported, by kind (how much the upstream's cache served)."}, []string{"kind"}),
 		CompactionImpossible: f.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "compaction_impossible_total",
 			Help: "Chat requests over the budget whose fixed part (system messages, tools, template) alone is over it: forwarded as is."}),
 	}
 	// Pre-create the fixed label values so dashboards see zeros.
 	for _, r := range []string{"hit", "miss"} {
 		m.AnchorLookups.WithLabelValues(r)
+	}
+	for _, k := range []string{"uncached", "cache_read", "cache_write"} {
+		m.SummarizeInputTokens.WithLabelValues(k)
 	}
 	// Counters that alerts watch with increase()/rate(): a series born at
 	// its first increment has no earlier sample, so Prometheus would miss

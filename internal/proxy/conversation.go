@@ -283,6 +283,7 @@ func (s *Server) prepareChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 	bypass := strings.EqualFold(r.Header.Get("X-Compactproxy-Bypass"), "true")
 	opts := compactOptions{enabled: s.cfg.Compaction.Enabled && !bypass, summarize: true, commit: true}
 	cr.client = cr.forward
+	ctx = s.withSummarizeRequest(ctx, req)
 	var last compaction.Output
 	run := func(ctx context.Context) {
 		out, spent := s.compact(ctx, r, cv, cr.client, req.Model, req.MaxTokens, opts)
@@ -463,6 +464,8 @@ func summarizeErrorKind(err error) string {
 		return "bad response"
 	case errors.Is(err, summarizer.ErrNoModel):
 		return "no model"
+	case errors.Is(err, summarizer.ErrWindowTooSmall):
+		return "window too small"
 	}
 	return "error"
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"math"
 	"net/http"
+	"strconv"
 	"strings"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
@@ -36,14 +37,14 @@ type boundedSummarizer struct {
 	sem chan struct{}
 }
 
-func (b boundedSummarizer) Summarize(ctx context.Context, head []chat.Message, previous string, maxTokens int) (string, error) {
+func (b boundedSummarizer) Summarize(ctx context.Context, req compaction.SummaryRequest) (string, error) {
 	select {
 	case b.sem <- struct{}{}:
 	case <-ctx.Done():
 		return "", ctx.Err()
 	}
 	defer func() { <-b.sem }()
-	return b.sum.Summarize(ctx, head, previous, maxTokens)
+	return b.sum.Summarize(ctx, req)
 }
 
 // newSummarizer builds the HTTP summarizer with the same retry policy as
@@ -125,4 +126,46 @@ func textTokens(fit anchor.Fit, n int) int {
 	}
 	r = min(max(r, anchor.MinRatio), anchor.MaxRatio)
 	return int(math.Ceil(float64(local) * r))
+}
+
+// withSummarizeRequest adds to ctx what a summarize call may take from the
+// client's request when the summarizer is the chat upstream and model: a
+// Builder that writes the summarize request as a continuation of this very
+// request (same model, tools and other top-level fields as the client sent
+// them, so the forwarded prefix and the upstream's prompt cache are
+// shared), with tool_choice "none", no streaming, no output options that
+// would shape the summary, and the summary's own token limit. It also
+// counts every summarize answer's reported usage.
+func (s *Server) withSummarizeRequest(ctx context.Context, req *chat.Request) context.Context {
+	ctx = summarizer.WithUsageHook(ctx, func(u anchor.Usage) {
+		s.metrics.SummarizeInputTokens.WithLabelValues("uncached").Add(float64(u.Uncached))
+		s.metrics.SummarizeInputTokens.WithLabelValues("cache_read").Add(float64(u.CacheRead))
+		s.metrics.SummarizeInputTokens.WithLabelValues("cache_write").Add(float64(u.CacheWrite))
+	})
+	sumModel := s.cfg.Compaction.Summarizer.Model
+	if !s.summarizerIsUpstream || (sumModel != "" && sumModel != req.Model) {
+		return ctx
+	}
+	hasTools := false
+	for _, f := range req.Fields {
+		hasTools = hasTools || f.Key == "tools"
+	}
+	return summarizer.WithBuilder(ctx, func(msgs []chat.Message, maxTokens int) []byte {
+		limit := []byte(strconv.Itoa(maxTokens))
+		maxKey, otherKey := "max_tokens", "max_completion_tokens"
+		if s.cfg.Upstream.Dialect == "openai" {
+			maxKey, otherKey = otherKey, maxKey
+		}
+		set := []chat.Field{
+			{Key: "stream", Value: []byte("false")},
+			{Key: maxKey, Value: limit},
+			{Key: otherKey}, {Key: "stream_options"}, {Key: "n"}, {Key: "response_format"},
+			{Key: "stop"}, {Key: "logprobs"}, {Key: "top_logprobs"}, {Key: "prediction"},
+			{Key: "parallel_tool_calls"}, {Key: "tool_choice"},
+		}
+		if hasTools {
+			set[len(set)-1].Value = []byte(`"none"`)
+		}
+		return req.Build(msgs, set)
+	})
 }

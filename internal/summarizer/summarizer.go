@@ -19,7 +19,9 @@ import (
 	"strings"
 	"time"
 
+	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/chat"
+	"github.com/compactproxy/compactproxy/internal/compaction"
 	openai "github.com/sashabaranov/go-openai"
 )
 
@@ -101,6 +103,28 @@ type credentialsKey struct{}
 type modelKey struct{}
 type windowKey struct{}
 type counterKey struct{}
+type builderKey struct{}
+type usageKey struct{}
+
+// Builder writes a chat request body that continues the client's own
+// request: its top-level fields (model, tools and the rest, as the client
+// sent them) with msgs as the messages, tool_choice "none", no streaming
+// and maxTokens as the output limit. The proxy provides it when the
+// summarizer is the chat upstream and model, so a summarize request shares
+// the forwarded request's prefix and the upstream's prompt cache (llama.cpp
+// slot KV, a provider's prompt caching) covers the head.
+type Builder func(msgs []chat.Message, maxTokens int) []byte
+
+// WithBuilder returns ctx carrying b (see Builder).
+func WithBuilder(ctx context.Context, b Builder) context.Context {
+	return context.WithValue(ctx, builderKey{}, b)
+}
+
+// WithUsageHook returns ctx carrying a function that receives the usage
+// every summarize answer reports (summarize_input_tokens_total).
+func WithUsageHook(ctx context.Context, hook func(anchor.Usage)) context.Context {
+	return context.WithValue(ctx, usageKey{}, hook)
+}
 
 // Counter estimates the tokens the summarizer model spends on text sent as
 // one message (the proxy's calibrated estimate of that model).
@@ -165,6 +189,10 @@ const (
 	maxResponse = 8 << 20
 )
 
+// shortSystemPrompt replaces systemPrompt when the summarizer's window is
+// small (the long one would take more than an eighth of it).
+const shortSystemPrompt = `Summarize the transcript of an AI agent's work so it can continue from your summary alone: the goal in the user's words, decisions, files and key facts (exact paths and names), commands and outcomes, open errors, the next step. Fold in a previous summary when given. Use only stated facts. Answer with the summary only.`
+
 // systemPrompt asks for a structured resume an agent can continue from.
 const systemPrompt = `You compact the working memory of an AI agent. The earlier part of its conversation will be removed from its context and replaced by your summary; the agent must be able to continue its work from the summary alone, together with the most recent messages, which it keeps verbatim.
 
@@ -188,16 +216,19 @@ Rules:
 - When a previous summary is given, fold the transcript into it: keep what is still true, update what changed, drop what no longer matters.
 - Answer with the summary only, without preamble.`
 
-// Summarize returns a summary of head that folds previous (the summary the
-// head continues, "" when none), of at most maxTokens tokens (0 =
-// Options.MaxTokens). It implements compaction.Summarizer.
+// Summarize returns a summary of req.Head that folds req.Previous (the
+// summary the head continues, "" when none), of at most req.MaxTokens
+// tokens (0 = Options.MaxTokens). It implements compaction.Summarizer.
 //
-// When the summarizer model's window is known (WithWindow, else
-// Options.Window), every request fits it: the prompt, counted with the
-// context's Counter, plus the tokens it asks for stay within windowShare
-// of the window; a longer head is sent in chunks, each folded into the
-// running summary.
-func (c *Client) Summarize(ctx context.Context, head []chat.Message, previous string, maxTokens int) (string, error) {
+// With a Builder in the context (the summarizer is the chat upstream and
+// model), the request continues the forwarded prefix — req.Prefix, then one
+// user message with prefixInstruction — when that fits the window and the
+// prefix does not end on a user message. Otherwise it is a transcript: when
+// the summarizer model's window is known (WithWindow, else Options.Window),
+// every request fits it (the prompt, counted with the context's Counter,
+// plus the tokens it asks for stay within windowShare of the window); a
+// longer head is sent in chunks, each folded into the running summary.
+func (c *Client) Summarize(ctx context.Context, req compaction.SummaryRequest) (string, error) {
 	model := c.opt.Model
 	if model == "" {
 		model, _ = ctx.Value(modelKey{}).(string)
@@ -205,26 +236,61 @@ func (c *Client) Summarize(ctx context.Context, head []chat.Message, previous st
 	if model == "" {
 		return "", ErrNoModel
 	}
+	maxTokens := req.MaxTokens
 	if maxTokens <= 0 {
 		maxTokens = c.opt.MaxTokens
 	}
-	blocks := make([]string, 0, len(head))
-	for i := range head {
-		blocks = append(blocks, renderMessage(&head[i]))
+	if body := c.prefixBody(ctx, req, maxTokens); body != nil {
+		return c.post(ctx, body)
 	}
-	summary := strings.TrimSpace(previous)
-	chunks, err := c.chunks(ctx, blocks, summary, maxTokens)
+	blocks := make([]string, 0, len(req.Head))
+	for i := range req.Head {
+		blocks = append(blocks, renderMessage(&req.Head[i]))
+	}
+	summary := strings.TrimSpace(req.Previous)
+	prompt := systemPrompt
+	if win := c.window(ctx); win > 0 && counter(ctx)(systemPrompt) > win/8 {
+		prompt = shortSystemPrompt // a small window: leave the room to the transcript
+	}
+	chunks, err := c.chunks(ctx, blocks, summary, maxTokens, prompt)
 	if err != nil {
 		return "", err
 	}
 	for _, chunk := range chunks {
-		s, err := c.call(ctx, model, summary, chunk, maxTokens)
+		s, err := c.call(ctx, model, summary, chunk, maxTokens, prompt)
 		if err != nil {
 			return "", err
 		}
 		summary = s
 	}
 	return summary, nil
+}
+
+// prefixInstruction ends a prefix-shaped summarize request.
+const prefixInstruction = `Stop the task here and do not call any tool. The earlier part of this conversation will be removed from your context and replaced by what you write now; you will continue the work from it alone, together with the most recent messages, which are kept verbatim. If the conversation starts with an earlier summary, fold it in: keep what is still true, update what changed.
+
+Write the summary in this structure (omit a section only when it would be empty): ## Goal (the user's request in their words, and later changes) ## Decisions and constraints ## Files and key facts (exact paths, names, signatures, what changed) ## Commands run and outcomes ## Errors still open ## Next step.
+Use only facts stated in the conversation; keep identifiers, paths, commands, numbers and error messages exact. Answer with the summary only.`
+
+// prefixBody returns the prefix-shaped request body, nil when that shape
+// does not apply (no Builder, no prefix, a prefix ending on a user message
+// — two user messages would meet — or a request that would not fit the
+// window).
+func (c *Client) prefixBody(ctx context.Context, req compaction.SummaryRequest, maxTokens int) []byte {
+	build, ok := ctx.Value(builderKey{}).(Builder)
+	if !ok || build == nil || len(req.Prefix) == 0 || req.Prefix[len(req.Prefix)-1].Role == "user" {
+		return nil
+	}
+	if win := c.window(ctx); win > 0 {
+		need := req.PrefixTokens + counter(ctx)(prefixInstruction) + maxTokens
+		if need > int(float64(win)*windowShare) {
+			return nil
+		}
+	}
+	msgs := make([]chat.Message, 0, len(req.Prefix)+1)
+	msgs = append(msgs, req.Prefix...)
+	msgs = append(msgs, chat.NewTextMessage("user", prefixInstruction))
+	return build(msgs, maxTokens)
 }
 
 // counter returns the context's Counter, else the byte fallback.
@@ -248,7 +314,7 @@ func (c *Client) window(ctx context.Context) int {
 // everything fits). Room is reserved for the running summary as the larger
 // of its size now and maxTokens (later chunks fold a summary of up to that
 // size), and for the answer. A block larger than a chunk is cut to fit.
-func (c *Client) chunks(ctx context.Context, blocks []string, previous string, maxTokens int) ([]string, error) {
+func (c *Client) chunks(ctx context.Context, blocks []string, previous string, maxTokens int, prompt string) ([]string, error) {
 	win := c.window(ctx)
 	if win <= 0 {
 		return []string{strings.Join(blocks, "")}, nil
@@ -260,7 +326,7 @@ func (c *Client) chunks(ctx context.Context, blocks []string, previous string, m
 		sizes[i] = count(b)
 		total += sizes[i]
 	}
-	fixed := count(systemPrompt) + count(foldInstruction) + templateTokens
+	fixed := count(prompt) + count(foldInstruction) + templateTokens
 	limit := int(float64(win)*windowShare) - maxTokens - fixed
 	if total+count(previous) <= limit {
 		return []string{strings.Join(blocks, "")}, nil
@@ -298,8 +364,8 @@ func (c *Client) chunks(ctx context.Context, blocks []string, previous string, m
 // around the previous summary and the transcript.
 const foldInstruction = "Previous summary:\n<previous_summary>\n\n</previous_summary>\n\nThe conversation continued as follows. Fold it into the previous summary.\n<transcript>\n</transcript>"
 
-// call makes one summarize request.
-func (c *Client) call(ctx context.Context, model, previous, transcript string, maxTokens int) (string, error) {
+// call makes one transcript-shaped summarize request.
+func (c *Client) call(ctx context.Context, model, previous, transcript string, maxTokens int, prompt string) (string, error) {
 	var user strings.Builder
 	if previous != "" {
 		user.WriteString("Previous summary:\n<previous_summary>\n")
@@ -315,7 +381,7 @@ func (c *Client) call(ctx context.Context, model, previous, transcript string, m
 	req := openai.ChatCompletionRequest{
 		Model: model,
 		Messages: []openai.ChatCompletionMessage{
-			{Role: openai.ChatMessageRoleSystem, Content: systemPrompt},
+			{Role: openai.ChatMessageRoleSystem, Content: prompt},
 			{Role: openai.ChatMessageRoleUser, Content: user.String()},
 		},
 	}
@@ -328,7 +394,12 @@ func (c *Client) call(ctx context.Context, model, previous, transcript string, m
 	if err != nil {
 		return "", fmt.Errorf("summarizer: encode: %w", err)
 	}
+	return c.post(ctx, body)
+}
 
+// post sends one summarize request body and returns the answer's text,
+// reporting the answer's usage to the context's hook.
+func (c *Client) post(ctx context.Context, body []byte) (string, error) {
 	if c.opt.Timeout > 0 {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, c.opt.Timeout)
@@ -362,6 +433,11 @@ func (c *Client) call(ctx context.Context, model, previous, transcript string, m
 	var out openai.ChatCompletionResponse
 	if err := json.Unmarshal(data, &out); err != nil {
 		return "", fmt.Errorf("%w: %v", ErrBadResponse, err)
+	}
+	if hook, ok := ctx.Value(usageKey{}).(func(anchor.Usage)); ok && hook != nil {
+		if u, ok := anchor.UsageFromJSON(data); ok {
+			hook(u)
+		}
 	}
 	if len(out.Choices) == 0 {
 		return "", fmt.Errorf("%w: no choices", ErrBadResponse)

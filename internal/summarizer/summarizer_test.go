@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
 )
@@ -133,7 +134,7 @@ func TestRequest(t *testing.T) {
 			if tc.ctx != nil {
 				ctx = tc.ctx(ctx)
 			}
-			got, err := c.Summarize(ctx, agentHead(t, 2, 100), "", 0)
+			got, err := c.Summarize(ctx, compaction.SummaryRequest{Head: agentHead(t, 2, 100), Previous: "", MaxTokens: 0})
 			if err != nil || got != "## Goal\nsummary 1" {
 				t.Fatalf("%q %v", got, err)
 			}
@@ -173,7 +174,7 @@ func TestPrompt(t *testing.T) {
 	ep := newEndpoint(t, nil)
 	c := New(ep.Client().Transport, Options{URL: ep.URL + "/v1", Model: "m"})
 	h := agentHead(t, 2, 50000)
-	if _, err := c.Summarize(context.Background(), h, "## Goal\nearlier summary", 0); err != nil {
+	if _, err := c.Summarize(context.Background(), compaction.SummaryRequest{Head: h, Previous: "## Goal\nearlier summary", MaxTokens: 0}); err != nil {
 		t.Fatal(err)
 	}
 	r := ep.requests()[0]
@@ -210,7 +211,7 @@ func TestChunking(t *testing.T) {
 	// measured, counted independently of the client's fallback.
 	count := func(text string) int { return len(text)*10/14 + 4 }
 	ctx := WithCounter(context.Background(), count)
-	got, err := c.Summarize(ctx, h, "## Goal\nolder summary", 0)
+	got, err := c.Summarize(ctx, compaction.SummaryRequest{Head: h, Previous: "## Goal\nolder summary", MaxTokens: 0})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -247,7 +248,7 @@ func TestChunking(t *testing.T) {
 	}
 	// Without a window, one call.
 	ep2 := newEndpoint(t, nil)
-	if _, err := New(ep2.Client().Transport, Options{URL: ep2.URL + "/v1", Model: "m"}).Summarize(context.Background(), h, "", 0); err != nil || len(ep2.requests()) != 1 {
+	if _, err := New(ep2.Client().Transport, Options{URL: ep2.URL + "/v1", Model: "m"}).Summarize(context.Background(), compaction.SummaryRequest{Head: h, Previous: "", MaxTokens: 0}); err != nil || len(ep2.requests()) != 1 {
 		t.Fatalf("unknown window: %d calls, %v", len(ep2.requests()), err)
 	}
 }
@@ -317,7 +318,7 @@ func TestErrors(t *testing.T) {
 				opt.Model = "m"
 			}
 			start := time.Now()
-			_, err := New(ep.Client().Transport, opt).Summarize(context.Background(), agentHead(t, 1, 10), "", 0)
+			_, err := New(ep.Client().Transport, opt).Summarize(context.Background(), compaction.SummaryRequest{Head: agentHead(t, 1, 10), Previous: "", MaxTokens: 0})
 			if err == nil {
 				t.Fatal("no error")
 			}
@@ -338,5 +339,80 @@ func TestRenderMedia(t *testing.T) {
 	out := renderMessage(&h[0])
 	if !strings.Contains(out, "see the screenshot") || !strings.Contains(out, "1 image/audio/file part(s) not shown") || strings.Contains(out, "AAAA") {
 		t.Fatalf("%q", out)
+	}
+}
+
+// With a Builder (the summarizer is the chat upstream and model), the
+// request continues the forwarded prefix: the prefix's messages byte for
+// byte, then one instruction; the body comes from the Builder; the answer's
+// usage reaches the hook. A prefix that would not fit the window, or ends
+// on a user message, falls back to a transcript.
+func TestPrefixShape(t *testing.T) {
+	ep := newEndpoint(t, nil)
+	c := New(ep.Client().Transport, Options{URL: ep.URL + "/v1", Model: "m", MaxTokens: 300, Window: 4096})
+	h := agentHead(t, 2, 100)
+	var built [][]chat.Message
+	var limits []int
+	var usage []anchor.Usage
+	ctx := WithBuilder(context.Background(), func(msgs []chat.Message, maxTokens int) []byte {
+		built = append(built, msgs)
+		limits = append(limits, maxTokens)
+		var b strings.Builder
+		b.WriteString(`{"model":"m","tools":[{"type":"function","function":{"name":"bash"}}],"tool_choice":"none","max_tokens":`)
+		fmt.Fprintf(&b, "%d,\"messages\":[", maxTokens)
+		for i, m := range msgs {
+			if i > 0 {
+				b.WriteByte(',')
+			}
+			b.Write(m.Raw)
+		}
+		b.WriteString("]}")
+		return []byte(b.String())
+	})
+	ctx = WithUsageHook(ctx, func(u anchor.Usage) { usage = append(usage, u) })
+	ctx = WithCounter(ctx, func(text string) int { return len(text)/4 + 4 })
+	req := compaction.SummaryRequest{Head: h, MaxTokens: 200, Prefix: h, PrefixTokens: 300}
+	if _, err := c.Summarize(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	reqs := ep.requests()
+	if len(reqs) != 1 || len(built) != 1 || limits[0] != 200 {
+		t.Fatalf("%d requests, %d built, limits %v", len(reqs), len(built), limits)
+	}
+	msgs := reqs[0].Body["messages"].([]any)
+	if len(msgs) != len(h)+1 || reqs[0].Body["tool_choice"] != "none" {
+		t.Fatalf("prefix request: %d messages for a %d-message prefix, tool_choice %v", len(msgs), len(h), reqs[0].Body["tool_choice"])
+	}
+	for i := range h {
+		if string(built[0][i].Raw) != string(h[i].Raw) {
+			t.Fatalf("message %d of the prefix changed", i)
+		}
+	}
+	if last := msgs[len(msgs)-1].(map[string]any); last["role"] != "user" || last["content"] != prefixInstruction {
+		t.Fatalf("last message %v is not the instruction", last)
+	}
+	if len(usage) != 1 || usage[0].Input != 10 {
+		t.Fatalf("usage hook got %+v", usage)
+	}
+
+	// Too large for the window: a transcript (system prompt + user).
+	req.PrefixTokens = 4000
+	if _, err := c.Summarize(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	// Ends on a user message: a transcript too.
+	req.PrefixTokens = 300
+	req.Prefix = head(t, map[string]any{"role": "user", "content": "hi"})
+	if _, err := c.Summarize(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	reqs = ep.requests()
+	if len(built) != 1 || len(reqs) != 3 {
+		t.Fatalf("built %d prefix bodies over %d requests, want 1 of 3", len(built), len(reqs))
+	}
+	for _, r := range reqs[1:] {
+		if m := r.Body["messages"].([]any); len(m) != 2 || m[0].(map[string]any)["role"] != "system" {
+			t.Fatalf("fallback is not a transcript: %v", r.Body)
+		}
 	}
 }
