@@ -796,7 +796,13 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 			room = budget - r.est(r.view(base))
 		}
 	}
-	if room < cfg.SummaryMinTokens || headTokens < cfg.SummaryMinTokens {
+	// What a new summary would take in beyond the previous one: the head
+	// messages after the previous cut, as forwarded. Folding less than
+	// summary_min_tokens of them is not worth a model call (a view that
+	// stays over the trigger after a summary would otherwise be summarized
+	// again at every step).
+	fresh := r.est(r.prefixView(*p, cut)) - r.est(r.prefixView(*p, headStart))
+	if room < cfg.SummaryMinTokens || headTokens < cfg.SummaryMinTokens || fresh < cfg.SummaryMinTokens {
 		return cur, false // no summary fits: step 4
 	}
 	limit := min(cfg.SummaryTokens, room, headTokens)

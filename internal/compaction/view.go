@@ -14,10 +14,11 @@ import (
 // Texts of the messages compactproxy synthesizes. The summary is labelled
 // as such so the model does not take it for something the user wrote.
 const (
-	summaryLabel = "[Summary of the earlier conversation. To fit the model's context window, " +
-		"compactproxy replaced the earlier messages with this summary; the most recent messages follow verbatim.]\n\n"
-	askLabel = "\n\n[The user's most recent request, verbatim:]\n"
-	ackText  = "Understood. I will continue from this summary of the earlier conversation."
+	// Short: at a 2k-token window every token of it is taken from the
+	// summary's own room.
+	summaryLabel = "[Summary of the earlier conversation (compactproxy); the latest messages follow verbatim.]\n\n"
+	askLabel     = "\n\n[The user's latest request, verbatim:]\n"
+	ackText      = "Understood."
 )
 
 // bytesPerToken converts the token thresholds of the configuration into

@@ -267,10 +267,7 @@ func (c *Client) Summarize(ctx context.Context, req compaction.SummaryRequest) (
 }
 
 // prefixInstruction ends a prefix-shaped summarize request.
-const prefixInstruction = `Stop the task here and do not call any tool. The earlier part of this conversation will be removed from your context and replaced by what you write now; you will continue the work from it alone, together with the most recent messages, which are kept verbatim. If the conversation starts with an earlier summary, fold it in: keep what is still true, update what changed.
-
-Write the summary in this structure (omit a section only when it would be empty): ## Goal (the user's request in their words, and later changes) ## Decisions and constraints ## Files and key facts (exact paths, names, signatures, what changed) ## Commands run and outcomes ## Errors still open ## Next step.
-Use only facts stated in the conversation; keep identifiers, paths, commands, numbers and error messages exact. Answer with the summary only.`
+const prefixInstruction = `Stop here; call no tool. Summarize the conversation so far (fold in any earlier summary) so the work can go on from the summary and the latest messages alone: ## Goal (the user's words) ## Decisions ## Files and key facts (exact paths, names) ## Commands and outcomes ## Open errors ## Next step. Only stated facts; exact identifiers. Answer with the summary only.`
 
 // prefixBody returns the prefix-shaped request body, nil when that shape
 // does not apply (no Builder, no prefix, a prefix ending on a user message
