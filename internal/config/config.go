@@ -74,8 +74,13 @@ type Compaction struct {
 	KeepTail      int           `mapstructure:"keep_tail" yaml:"keep_tail"`           // 3
 	MinInterval   time.Duration `mapstructure:"min_interval" yaml:"min_interval"`     // 60s; 0 disables the throttle
 	LatchGrowth   int           `mapstructure:"latch_growth" yaml:"latch_growth"`     // 20
-	Trim          Trim          `mapstructure:"trim" yaml:"trim"`
-	Summarizer    Summarizer    `mapstructure:"summarizer" yaml:"summarizer"`
+	// ConversationHeaders name a conversation, first match wins (default
+	// X-Compactproxy-Conversation, X-Session-Id); the first is stripped
+	// before forwarding, the others (agents' own) pass unchanged. Empty:
+	// conversations are always derived from their opening messages.
+	ConversationHeaders []string   `mapstructure:"conversation_headers" yaml:"conversation_headers"`
+	Trim                Trim       `mapstructure:"trim" yaml:"trim"`
+	Summarizer          Summarizer `mapstructure:"summarizer" yaml:"summarizer"`
 }
 
 // Trim configures the no-model-call trim step.
@@ -113,6 +118,20 @@ type Store struct {
 	MaxEntries   int           `mapstructure:"max_entries" yaml:"max_entries"`     // 100000
 	TTL          time.Duration `mapstructure:"ttl" yaml:"ttl"`                     // 24h
 	TenantSecret Secret        `mapstructure:"tenant_secret" yaml:"tenant_secret"` // "" = random per process
+	Timeout      time.Duration `mapstructure:"timeout" yaml:"timeout"`             // 200ms per operation (bolt, redis)
+	Bolt         Bolt          `mapstructure:"bolt" yaml:"bolt"`
+	Redis        Redis         `mapstructure:"redis" yaml:"redis"`
+}
+
+// Bolt configures the bolt store backend.
+type Bolt struct {
+	Path string `mapstructure:"path" yaml:"path"` // compactproxy.db (the image: /data/compactproxy.db)
+}
+
+// Redis configures the redis store backend.
+type Redis struct {
+	URL    Secret `mapstructure:"url" yaml:"url"`       // redis://[:pw@]host:6379/0 or rediss://; may hold a password
+	Prefix string `mapstructure:"prefix" yaml:"prefix"` // compactproxy:
 }
 
 // Limits bounds what a client may send.
@@ -137,15 +156,16 @@ func Default() Config {
 			DiscoveryInterval: 5 * time.Minute,
 		},
 		Compaction: Compaction{
-			Enabled:       true,
-			Mode:          "enforce",
-			TriggerRatio:  0.80,
-			TargetRatio:   0.60,
-			ReserveTokens: 4096,
-			KeepTail:      3,
-			MinInterval:   60 * time.Second,
-			LatchGrowth:   20,
-			Trim:          Trim{ToolResultTokens: 1024},
+			Enabled:             true,
+			Mode:                "enforce",
+			TriggerRatio:        0.80,
+			TargetRatio:         0.60,
+			ReserveTokens:       4096,
+			KeepTail:            3,
+			MinInterval:         60 * time.Second,
+			LatchGrowth:         20,
+			ConversationHeaders: []string{"X-Compactproxy-Conversation", "X-Session-Id"},
+			Trim:                Trim{ToolResultTokens: 1024},
 			Summarizer: Summarizer{
 				Enabled:       true,
 				MaxTokens:     1024,
@@ -164,6 +184,9 @@ func Default() Config {
 			Backend:    "memory",
 			MaxEntries: 100000,
 			TTL:        24 * time.Hour,
+			Timeout:    200 * time.Millisecond,
+			Bolt:       Bolt{Path: "compactproxy.db"},
+			Redis:      Redis{Prefix: "compactproxy:"},
 		},
 		Limits: Limits{MaxBodyBytes: 33554432},
 		Log:    Log{Level: "info", Format: "json"},

@@ -30,6 +30,7 @@ type Metrics struct {
 	InvariantFailures   prometheus.Counter
 	UnknownWindow       prometheus.Counter
 	CompactionErrors    prometheus.Counter
+	StoreErrors         *prometheus.CounterVec // op
 }
 
 // New registers the metrics on reg, plus the Go and process collectors.
@@ -73,6 +74,8 @@ func New(reg prometheus.Registerer) *Metrics {
 			Help: "Chat requests for a model whose context window is unknown (not compacted)."}),
 		CompactionErrors: f.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "compaction_errors_total",
 			Help: "Requests forwarded without compaction because compaction failed (fail open)."}),
+		StoreErrors: f.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "store_errors_total",
+			Help: "Failed state store operations (load, save, lock); the request went on without them."}, []string{"op"}),
 	}
 	// Pre-create the fixed label values so dashboards see zeros.
 	for _, r := range []string{"hit", "miss"} {
@@ -89,6 +92,9 @@ func New(reg prometheus.Registerer) *Metrics {
 	}
 	for _, a := range []string{"trimmed", "summarized", "reused", "dropped"} {
 		m.Compactions.WithLabelValues(a)
+	}
+	for _, op := range []string{"load", "save", "lock"} {
+		m.StoreErrors.WithLabelValues(op)
 	}
 	return m
 }

@@ -41,8 +41,9 @@ type Server struct {
 	ready        *readiness
 	windows      *windows
 	upstreamName string
-	store        stateStore
-	convLocks    keyedMutex
+	store        store.Backend
+	storeHealth  storeHealth
+	flights      flights
 	calibration  *anchor.Calibration
 	local        anchor.LocalEstimator
 	engine       *compaction.Engine
@@ -103,7 +104,9 @@ func New(cfg config.Config, log *zap.Logger, reg *prometheus.Registry) (*Server,
 	if s.upstreamName == "" {
 		s.upstreamName = up.base.Host
 	}
-	s.store = store.NewMemory[compaction.State](cfg.Store.MaxEntries, cfg.Store.TTL)
+	if s.store, err = openStore(cfg.Store); err != nil {
+		return nil, err
+	}
 	s.calibration = anchor.NewCalibration(1024)
 	s.local = anchor.NewLocalEstimator()
 	s.digests = newDigestCache(digestCacheEntries)
@@ -147,5 +150,5 @@ func (s *Server) Handler() http.Handler { return s.handler }
 // Close releases resources.
 func (s *Server) Close() error {
 	s.transport.CloseIdleConnections()
-	return nil
+	return s.store.Close()
 }
