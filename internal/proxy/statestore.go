@@ -16,6 +16,18 @@ func openStore(c config.Store) (store.Backend, error) {
 	switch c.Backend {
 	case "", "memory":
 		return store.NewMemoryBackend(c.MaxEntries, c.TTL), nil
+	case "bolt":
+		b, err := store.OpenBolt(c.Bolt.Path, store.BoltOptions{MaxEntries: c.MaxEntries, TTL: c.TTL})
+		if err != nil {
+			return nil, err
+		}
+		return b, nil
+	case "redis":
+		r, err := store.OpenRedis(store.RedisOptions{URL: c.Redis.URL.Reveal(), Prefix: c.Redis.Prefix, TTL: c.TTL, Timeout: c.Timeout})
+		if err != nil {
+			return nil, err
+		}
+		return r, nil
 	}
 	return nil, fmt.Errorf("store: unknown backend %q", c.Backend)
 }

@@ -1,0 +1,113 @@
+package proxy
+
+import (
+	"bytes"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/compactproxy/compactproxy/internal/config"
+	"github.com/compactproxy/compactproxy/internal/store/storetest"
+)
+
+// bolt: a restarted proxy re-applies the stored summary and trims: the
+// next request makes no summarize call and forwards the same prefix.
+func TestBoltRestartReappliesSummary(t *testing.T) {
+	up := countingUpstream(t)
+	sum := newSummarizerServer(t)
+	cfg := compactionConfig(up.URL, sum.URL)
+	cfg.Store.Backend = "bolt"
+	cfg.Store.Bolt.Path = filepath.Join(t.TempDir(), "state.db")
+	cfg.Store.TenantSecret = "a fixed secret: tenants survive the restart"
+	p := newTestProxy(t, cfg)
+	a := newAgent()
+	for a.step < 16 {
+		a.toolStep(800)
+	}
+	if got := p.chatOK(t, a.body()).Header.Get("X-Compactproxy-Compaction"); got != "summarized" {
+		t.Fatalf("compaction %q, want summarized", got)
+	}
+	first := forwardedMessages(t, up.last(t).Body)
+	p.Close()
+	if err := p.srv.Close(); err != nil {
+		t.Fatal(err)
+	}
+
+	p2 := newTestProxy(t, cfg)
+	a.toolStep(200)
+	if got := p2.chatOK(t, a.body()).Header.Get("X-Compactproxy-Compaction"); got != "reused" {
+		t.Fatalf("after restart: compaction %q, want reused", got)
+	}
+	if n := sum.calls.Load(); n != 1 {
+		t.Fatalf("summarize calls %d, want 1 (none after the restart)", n)
+	}
+	second := forwardedMessages(t, up.last(t).Body)
+	for i := range first {
+		if i >= len(second) || !bytes.Equal(first[i], second[i]) {
+			t.Fatalf("forwarded prefix changed at message %d after the restart", i)
+		}
+	}
+}
+
+// redis unreachable: requests are forwarded (200) without new compaction,
+// store_errors_total counts, the outage is logged once, and the proxy
+// recovers when Redis is back.
+func TestRedisDownFailsOpen(t *testing.T) {
+	rd := storetest.StartRedis(t)
+	up := countingUpstream(t)
+	sum := newSummarizerServer(t)
+	cfg := compactionConfig(up.URL, sum.URL)
+	cfg.Store.Backend = "redis"
+	cfg.Store.Redis.URL = config.Secret(rd.URL())
+	cfg.Store.Timeout = 100 * time.Millisecond
+	p := newTestProxy(t, cfg)
+	a := newAgent()
+	for a.step < 16 {
+		a.toolStep(800)
+	}
+	rd.Stop()
+	for i := 0; i < 3; i++ {
+		a.toolStep(100)
+		start := time.Now()
+		resp := p.chatOK(t, a.body())
+		if got := resp.Header.Get("X-Compactproxy-Compaction"); got != "none" {
+			t.Fatalf("with Redis down: compaction %q, want none (fail open)", got)
+		}
+		if d := time.Since(start); d > time.Second {
+			t.Fatalf("request took %v with Redis down", d)
+		}
+	}
+	if sum.calls.Load() != 0 {
+		t.Fatal("summarized while the state could not be read")
+	}
+	if v := counter(t, p.reg, "compactproxy_store_errors_total", map[string]string{"op": "load"}); v < 3 {
+		t.Fatalf("store_errors_total{op=load} = %v, want >= 3", v)
+	}
+	if n := p.logs.FilterMessageSnippet("state store failing").Len(); n != 1 {
+		t.Fatalf("outage logged %d times, want once", n)
+	}
+	rd.Start()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		a.toolStep(100)
+		resp := p.chatOK(t, a.body())
+		if resp.Header.Get("X-Compactproxy-Compaction") == "summarized" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("compaction did not resume after Redis came back")
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if p.logs.FilterMessageSnippet("state store recovered").Len() != 1 {
+		t.Fatal("recovery not logged")
+	}
+	for _, e := range p.logs.All() {
+		for _, f := range e.Context {
+			if strings.Contains(f.String, rd.Addr) {
+				t.Fatalf("log %q carries the Redis address", e.Message)
+			}
+		}
+	}
+}
