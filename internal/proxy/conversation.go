@@ -174,9 +174,10 @@ type compactOptions struct {
 }
 
 // compact runs the engine over view (the client's provider-visible view):
-// load → select the lineage → decide → save. Without a known window, when
-// compaction does not apply, or when the state could not be read (the
-// store is down: fail open), it only estimates. A summary that is due is
+// load → select the lineage → decide → save. Without a known window, or
+// when compaction does not apply, it only estimates; when the state could
+// not be read (the store is down: fail open) it neither summarizes nor
+// saves. A summary that is due is
 // made by summarizeShared, detached from this request. It returns the
 // decision and the time spent summarizing or waiting for a summary
 // (excluded from overhead).
@@ -192,7 +193,7 @@ func (s *Server) compact(ctx context.Context, r *http.Request, cv *conversation,
 		}
 		return out
 	}
-	if !o.enabled || s.engine == nil || window == 0 || !loaded {
+	if !o.enabled || s.engine == nil || window == 0 {
 		return estimateOnly(), 0
 	}
 	chain, _, err := cv.memo.chain(view)
@@ -201,6 +202,18 @@ func (s *Server) compact(ctx context.Context, r *http.Request, cv *conversation,
 		return estimateOnly(), 0
 	}
 	run := engineRun{cv: cv, view: view, chain: chain, window: window, maxTokens: maxTokens, o: o}
+	if !loaded {
+		// The state could not be read (the store is down or slow): no
+		// summary (it could be neither coordinated nor kept) and nothing
+		// stored, but the no-model-call steps (trim, and drop past the
+		// budget) still apply, so a conversation that outgrew the window
+		// is still answered instead of overflowing upstream.
+		out := s.runEngine(ctx, &run, store.Conversation{}, -1, false)
+		if o.commit {
+			s.countCompaction(reqID, out)
+		}
+		return out, 0
+	}
 	li := compaction.SelectLineage(conv.Lineages, chain)
 	dry := s.runEngine(ctx, &run, conv, li, false)
 	if !o.summarize || dry.Action != compaction.ActionSummarizePending {
