@@ -119,13 +119,15 @@ func TestAnchorRecordedDuringSummarizeKept(t *testing.T) {
 			t.Errorf("long request: compaction %q, want summarized", resp.Header.Get("X-Compactproxy-Compaction"))
 		}
 	}()
-	// Once the summarize is running, a short request of the same
-	// conversation (below the trigger) is answered and records its anchor.
+	// Once the summarize is running, another request of the same
+	// conversation (bypassing compaction: it never waits for the
+	// summarize) is answered and records its anchor.
 	deadline := time.Now().Add(5 * time.Second)
 	for sum.calls.Load() == 0 && time.Now().Before(deadline) {
 		time.Sleep(5 * time.Millisecond)
 	}
-	resp := p.chatOK(t, short.body())
+	resp := p.post(t, "/v1/chat/completions", short.body(), "Authorization", "Bearer k", "X-Compactproxy-Conversation", "conv", "X-Compactproxy-Bypass", "true")
+	readAll(t, resp)
 	if resp.Header.Get("X-Compactproxy-Compaction") != "none" {
 		t.Fatalf("short request compacted: %q", resp.Header.Get("X-Compactproxy-Compaction"))
 	}
