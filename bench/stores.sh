@@ -12,7 +12,7 @@
 #
 # Knobs (env): as bench/run.sh (BENCH_ROUNDS 3, BENCH_CONCURRENCY 1,32,
 # BENCH_LATENCY 20ms, BENCH_BUDGET 240s, BENCH_CONVERSATIONS same|per-worker,
-# BENCH_OUT bench/results/stores).
+# BENCH_OUT bench/results/stores, BENCH_BACKENDS "redis bolt").
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -79,7 +79,7 @@ start_proxy redis COMPACTPROXY_STORE_BACKEND=redis COMPACTPROXY_STORE_REDIS_URL=
 start_proxy bolt COMPACTPROXY_STORE_BACKEND=bolt COMPACTPROXY_STORE_BOLT_PATH="$work/state.db"
 
 rc=0
-for backend in redis bolt; do
+for backend in ${BENCH_BACKENDS:-redis bolt}; do
 	log "=== $backend vs memory (loadgen: 'bare' = memory backend, 'compactproxy' = $backend backend)"
 	timeout --kill-after=10s 600s "$work/loadgen" \
 		-direct "http://$mock/v1" -bare "${url[memory]}" -bare-pid "${pid[memory]}" \

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"sync/atomic"
 
 	"github.com/compactproxy/compactproxy/internal/config"
@@ -58,8 +59,9 @@ func (s *Server) storeResult(reqID, op string, err error) {
 	s.metrics.StoreErrors.WithLabelValues(op).Inc()
 	if s.storeHealth.down.CompareAndSwap(false, true) {
 		kind := "error"
+		var ne net.Error
 		switch {
-		case errors.Is(err, context.DeadlineExceeded):
+		case errors.Is(err, context.DeadlineExceeded), errors.As(err, &ne) && ne.Timeout():
 			kind = "timeout"
 		case errors.Is(err, store.ErrUnavailable):
 			kind = "unavailable"

@@ -151,3 +151,23 @@ func TestConversationSize(t *testing.T) {
 		}
 	}
 }
+
+// BenchmarkRedisLoad is one request's read (MGET of both keys) against a
+// local redis-server: the round trip the redis backend adds per request.
+func BenchmarkRedisLoad(b *testing.B) {
+	rd := storetest.StartRedis(b)
+	r, err := OpenRedis(RedisOptions{URL: rd.URL(), Prefix: "cp:", TTL: time.Hour, Timeout: time.Second})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer r.Close()
+	ctx := context.Background()
+	_ = r.UpdateLineages(ctx, "k", saveLineage(lineage(1, "a summary"), 0, true))
+	_ = r.UpdateAnchors(ctx, "k", addAnchor(anchor.Anchor{PrefixLen: 3}))
+	b.ResetTimer()
+	for b.Loop() {
+		if _, _, err := r.Load(ctx, "k"); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
