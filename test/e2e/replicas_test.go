@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -16,6 +17,7 @@ import (
 	"time"
 
 	"github.com/compactproxy/compactproxy/internal/store/storetest"
+	"github.com/redis/go-redis/v9"
 )
 
 // stateUpstream is a small-window model behind the replicas: prompt =
@@ -264,6 +266,25 @@ func TestReplicasShareRedis(t *testing.T) {
 		t.Fatalf("8 concurrent over-trigger requests on 2 replicas: %d summarize calls, want 1", n)
 	}
 
+	// Keys: every one with a TTL, naming the tenant by its HMAC and the
+	// conversation by a digest (no key, no content).
+	rc := redis.NewClient(&redis.Options{Addr: rd.Addr})
+	keys, err := rc.Keys(context.Background(), "*").Result()
+	if err != nil || len(keys) == 0 {
+		t.Fatalf("keys: %v %v", keys, err)
+	}
+	for _, k := range keys {
+		ttl, err := rc.PTTL(context.Background(), k).Result()
+		if err != nil || ttl <= 0 {
+			t.Errorf("key %q has no TTL (%v %v)", k, ttl, err)
+		}
+		if strings.Contains(k, "sk-replica-key") || strings.Contains(k, "concurrent") || strings.Contains(k, "review") {
+			t.Errorf("key %q names a credential or content", k)
+		}
+	}
+	t.Logf("redis keys after the loop: %d, e.g. %q", len(keys), keys[0])
+	rc.Close()
+
 	// 3. Redis dies mid-loop: every request is still answered 200 within
 	// the upstream's own time + 1 s; once it is back, compaction resumes.
 	rd.Stop()
@@ -300,11 +321,11 @@ func TestReplicasShareRedis(t *testing.T) {
 			t.Error("a log carries the client's key")
 		}
 	}
-	keys, err := rd.Do("DBSIZE")
+	n, err := rd.Do("DBSIZE")
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("keys in Redis after the restart: %s", strings.TrimSpace(keys))
+	t.Logf("keys in Redis after the restart: %s", strings.TrimSpace(n))
 }
 
 // bolt: SIGTERM mid-loop, start again with the same file: the next step
