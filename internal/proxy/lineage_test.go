@@ -249,3 +249,39 @@ func TestConversationHeaders(t *testing.T) {
 	}
 	var _ sync.Mutex
 }
+
+// The latch is per lineage too: worker A's failed summarize latches A
+// only; worker B (same conversation id) still gets its summary (before
+// lineages, A's latch suppressed B: B was dropped instead), and A never
+// gets B's summary.
+func TestSwarmWorkersKeepOwnLatch(t *testing.T) {
+	up := countingUpstream(t)
+	sum := newSummarizerServer(t)
+	sum.fail.Store(true)
+	cfg := compactionConfig(up.URL, sum.URL)
+	cfg.Retry.Attempts = 1
+	cfg.Compaction.Trim.ToolResultTokens = 1 << 20
+	p := newTestProxy(t, cfg)
+	wa, wb := newAgent(), newAgent()
+	for wa.step < 16 {
+		wa.workerStep("A", 800)
+		wb.workerStep("B", 800)
+	}
+	p.chatOK(t, wa.body()) // A: the summarize fails, A latches
+	if sum.calls.Load() != 1 {
+		t.Fatalf("summarize calls %d after A's first request", sum.calls.Load())
+	}
+	sum.fail.Store(false)
+	if got := p.chatOK(t, wb.body()).Header.Get("X-Compactproxy-Compaction"); got != "summarized" {
+		t.Fatalf("worker B: compaction %q, want summarized (A's latch is not B's)", got)
+	}
+	// A again: its own records (the drop made after the failure) apply;
+	// no new summarize call.
+	wa.workerStep("A", 100)
+	if got := p.chatOK(t, wa.body()).Header.Get("X-Compactproxy-Compaction"); got == "summarized" || got == "reused" {
+		t.Fatalf("worker A: compaction %q: it got B's summary", got)
+	}
+	if n := sum.calls.Load(); n != 2 {
+		t.Fatalf("summarize calls %d, want 2 (A once, B once)", n)
+	}
+}
