@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
+	bolt "go.etcd.io/bbolt"
 )
 
 // A reopened file has what was written before the process ended.
@@ -96,4 +97,33 @@ func TestBoltSweepBoundsGrowth(t *testing.T) {
 		t.Fatalf("file keeps growing across sweeps: %v", sizes)
 	}
 	t.Logf("file size after each write+sweep round: %v", sizes)
+}
+
+// The sweep runs in the background.
+func TestBoltBackgroundSweep(t *testing.T) {
+	b, err := OpenBolt(filepath.Join(t.TempDir(), "state.db"), BoltOptions{TTL: 30 * time.Millisecond, SweepInterval: 20 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	ctx := context.Background()
+	for i := range 20 {
+		if err := b.UpdateAnchors(ctx, fmt.Sprint("k", i), addAnchor(anchor.Anchor{PrefixLen: 1})); err != nil {
+			t.Fatal(err)
+		}
+	}
+	count := func() (n int) {
+		_ = b.db.View(func(tx *bolt.Tx) error { n = tx.Bucket(boltBucket).Stats().KeyN; return nil })
+		return n
+	}
+	if count() != 20 {
+		t.Fatalf("%d entries written", count())
+	}
+	deadline := time.Now().Add(3 * time.Second)
+	for count() > 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d expired entries still in the file", count())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }

@@ -171,3 +171,33 @@ func BenchmarkRedisLoad(b *testing.B) {
 		}
 	}
 }
+
+// A slow Redis (DEBUG SLEEP blocks the server): each operation gives up at
+// the timeout instead of waiting, and the backend comes back after it.
+func TestRedisSlow(t *testing.T) {
+	rd := storetest.StartRedis(t)
+	r := openTestRedis(t, rd, time.Hour, 100*time.Millisecond)
+	r.pause = 50 * time.Millisecond
+	ctx := context.Background()
+	if err := r.UpdateAnchors(ctx, "k", addAnchor(anchor.Anchor{PrefixLen: 2})); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { _, err := rd.Do("DEBUG", "SLEEP", "0.6"); done <- err }()
+	time.Sleep(50 * time.Millisecond)
+	start := time.Now()
+	_, _, err := r.Load(ctx, "k")
+	if err == nil {
+		t.Fatal("a load from a sleeping Redis succeeded")
+	}
+	if d := time.Since(start); d > 400*time.Millisecond {
+		t.Fatalf("a load took %v with store.timeout 100ms", d)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("DEBUG SLEEP: %v", err)
+	}
+	time.Sleep(100 * time.Millisecond)
+	if c, ok, err := r.Load(ctx, "k"); err != nil || !ok || len(c.Anchors) != 1 {
+		t.Fatalf("after the stall: %v %v %+v", ok, err, c)
+	}
+}

@@ -48,7 +48,8 @@ func (r *Redis) Start() {
 	r.t.Helper()
 	r.Addr = "127.0.0.1:" + strconv.Itoa(r.port)
 	r.cmd = exec.Command("redis-server", "--port", strconv.Itoa(r.port), "--bind", "127.0.0.1",
-		"--save", "", "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning")
+		"--save", "", "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning",
+		"--enable-debug-command", "local") // DEBUG SLEEP: a slow Redis
 	if err := r.cmd.Start(); err != nil {
 		r.t.Fatalf("redis-server: %v", err)
 	}
