@@ -321,7 +321,13 @@ func (s *Server) prepareChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 			cr.unchanged = false
 		}
 		action := string(out.Action)
-		if action == "" || action == string(compaction.ActionSummarizePending) || s.cfg.Compaction.Mode == "shadow" {
+		if action == string(compaction.ActionSummarizePending) && s.cfg.Compaction.Mode != "shadow" {
+			// Forwarded without the summary that is due (it is being made
+			// elsewhere, or the state is unreadable): say what the view
+			// carries instead.
+			action = viewAction(cr.client, out.Messages)
+		}
+		if action == "" || s.cfg.Compaction.Mode == "shadow" {
 			action = "none"
 		}
 		ci.action = action
@@ -395,6 +401,25 @@ func (s *Server) recordAnchor(ctx context.Context, reqID string, cv *conversatio
 		return compaction.MergeAnchor(anchors, a), true
 	})
 	s.storeResult(reqID, "save", err)
+}
+
+// viewAction names the strongest compaction a forwarded view carries
+// compared with the client's, in the header's order (a summary message,
+// one the proxy synthesized, is a re-applied summary here: a summary made
+// now is reported by the engine).
+func viewAction(client, forwarded []chat.Message) string {
+	if sameView(client, forwarded) {
+		return "none"
+	}
+	for i := range forwarded {
+		if forwarded[i].Index < 0 {
+			return string(compaction.ActionReused)
+		}
+	}
+	if len(forwarded) < len(client) {
+		return string(compaction.ActionDropped)
+	}
+	return string(compaction.ActionTrimmed)
 }
 
 // sameMeasurement reports whether two anchors measure the same prefix with
