@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bytes"
+	"context"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -10,6 +11,7 @@ import (
 
 	"github.com/compactproxy/compactproxy/internal/config"
 	"github.com/compactproxy/compactproxy/internal/store/storetest"
+	"github.com/redis/go-redis/v9"
 )
 
 // bolt: a restarted proxy re-applies the stored summary and trims: the
@@ -115,5 +117,60 @@ func TestRedisDownFailsOpen(t *testing.T) {
 				t.Fatalf("log %q carries the Redis address", e.Message)
 			}
 		}
+	}
+}
+
+// DESIGN § State: a constant number of store round trips per request (one
+// read, at most two writes), never one per message, counted by Redis
+// itself (INFO commandstats) over an agent loop that crosses the trigger.
+func TestRedisRoundTripsPerRequest(t *testing.T) {
+	rd := storetest.StartRedis(t)
+	up := countingUpstream(t)
+	sum := newSummarizerServer(t)
+	cfg := compactionConfig(up.URL, sum.URL)
+	cfg.Store.Backend = "redis"
+	cfg.Store.Redis.URL = config.Secret(rd.URL())
+	p := newTestProxy(t, cfg)
+	rc := redis.NewClient(&redis.Options{Addr: rd.Addr})
+	defer rc.Close()
+	ctx := context.Background()
+	a := newAgent()
+	a.toolStep(800)
+	p.chatOK(t, a.body()) // warm-up: loads the scripts
+	if err := rc.ConfigResetStat(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	const n = 20
+	for i := 0; i < n; i++ {
+		a.toolStep(800)
+		p.chatOK(t, a.body())
+	}
+	info, err := rc.Info(ctx, "commandstats").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	calls := map[string]int{}
+	for _, line := range strings.Split(info, "\n") {
+		name, rest, ok := strings.Cut(strings.TrimSpace(line), ":calls=")
+		if !ok {
+			continue
+		}
+		c, _, _ := strings.Cut(rest, ",")
+		calls[strings.TrimPrefix(name, "cmdstat_")], _ = strconv.Atoi(c)
+	}
+	// commandstats also counts the commands scripts run (get, set, del
+	// inside the compare-and-set): the client's own round trips are the
+	// reads (MGET) and script calls (EVALSHA, and EVAL once per script
+	// when Redis did not know it yet), plus one SET NX per lease.
+	total := calls["mget"] + calls["evalsha"] + calls["eval"]
+	t.Logf("%d requests (%d messages at the end, %d summarize calls): redis commands %v", n, len(a.msgs), sum.calls.Load(), calls)
+	summarizes := int(sum.calls.Load())
+	// Per request: 1 MGET, at most 2 writes (EVALSHA); per summarize: the
+	// lease (SET), a re-read (MGET) and the release (EVALSHA).
+	if calls["mget"] > n+summarizes || calls["evalsha"]+calls["eval"] > 2*n+2*summarizes || total > 3*n+3*summarizes {
+		t.Fatalf("redis commands %v for %d requests: over one read and two writes per request", calls, n)
+	}
+	if calls["mget"] < n {
+		t.Fatalf("mget %d for %d requests: some request did not read its state", calls["mget"], n)
 	}
 }
