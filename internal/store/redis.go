@@ -175,6 +175,9 @@ func (r *Redis) Load(ctx context.Context, key string) (Conversation, bool, error
 	return c, found, nil
 }
 
+// casAttempts bounds the compare-and-set retries of one update.
+const casAttempts = 12
+
 // errConflict: the compare-and-set lost to concurrent writers every time.
 var errConflict = errors.New("store: redis update: too many concurrent writers")
 
@@ -185,7 +188,20 @@ func (r *Redis) update(ctx context.Context, rkey string, apply func(raw []byte) 
 	}
 	defer cancel()
 	ttl := max(r.ttl.Milliseconds(), 1)
-	for range 4 {
+	// Each lost compare-and-set costs one round trip and brings the current
+	// value back. One conversation rarely has more than a couple of writers
+	// at once; a burst of them (a swarm on one conversation id, replicas)
+	// is spread by a short random pause, all within the operation's timeout.
+	for attempt := range casAttempts {
+		if attempt >= 2 {
+			var j [1]byte
+			_, _ = rand.Read(j[:])
+			select {
+			case <-time.After(time.Duration(j[0]%8+1) * 250 * time.Microsecond):
+			case <-ctx.Done():
+				return fmt.Errorf("store: redis update: %w", ctx.Err())
+			}
+		}
 		raw, _ := r.seen.get(rkey)
 		next, changed := apply(raw)
 		if !changed {
