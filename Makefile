@@ -6,7 +6,7 @@ IMAGE    ?= compactproxy
 VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS  := -s -w -X main.version=$(VERSION)
 
-.PHONY: all build run test e2e-deps agent-deps ops-deps bench bench-go bench-load lint docker clean help
+.PHONY: all build run test e2e-deps agent-deps ops-deps redis-deps bench bench-go bench-load lint docker clean help
 
 all: lint test build
 
@@ -41,7 +41,12 @@ agent-deps:
 ops-deps:
 	./scripts/ops-deps.sh
 
-test: e2e-deps agent-deps ops-deps
+# redis-server (Debian's package) for the store tests; each test starts its
+# own on a free loopback port.
+redis-deps:
+	./scripts/redis-deps.sh
+
+test: e2e-deps agent-deps ops-deps redis-deps
 	$(GO) test -race -count=1 ./...
 
 # Not part of `make test`. bench-go: go test benchmarks (parse and rewrite

@@ -582,11 +582,13 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 	// 2. Summarize the head when trim could not reach the target.
 	if cfg.SummarizerEnabled && r.e.sum != nil && r.chain && r.tail > headStart && r.tail < r.n {
 		var summarized bool
-		if cur, summarized = r.summarize(p, cur, headStart, budget, target); summarized || r.pending {
-			// A summary was made (or would be, in a dry run): no drop
-			// while a summary fits.
-			return cur
+		if cur, summarized = r.summarize(p, cur, headStart, budget, target); summarized {
+			return cur // no drop while a summary fits
 		}
+		// A dry run that would summarize goes on: its view (without the
+		// summary) is what a request forwards when the summary cannot be
+		// made now (another replica holds it, the store is down), so it
+		// must fit too.
 	}
 
 	// 4. Still over: excerpt the oldest long tool results after the

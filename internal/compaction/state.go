@@ -7,11 +7,14 @@ import (
 	"github.com/compactproxy/compactproxy/internal/anchor"
 )
 
-// MaxAnchors is how many anchors a conversation keeps (most recent first).
+// MaxAnchors is how many anchors a conversation keeps (most recent first):
+// shared by its lineages (anchors are matched by digest), so two histories
+// alternating in one conversation each keep their recent ones.
 const MaxAnchors = 4
 
-// State is one conversation's stored state. The proxy loads it, passes it in
-// Input.State and saves Output.State when Output.StateChanged. It holds no
+// State is one conversation lineage's stored state (see Lineage) plus the
+// conversation's anchors. The proxy loads it, passes it in Input.State and
+// saves Output.State when Output.StateChanged. It holds no
 // message copies: records are keyed by digests of the client's chain and
 // name client positions; the only texts are the summary and nothing else
 // (trim excerpts are recomputed from the client's message, identically,
@@ -20,9 +23,12 @@ const MaxAnchors = 4
 // Positions are indexes into Input.Messages (the provider-visible view,
 // UI-only messages removed), not chat.Message.Index.
 //
-// Size without the summary text and trim records: 4 anchors (≈ 64 B each),
-// the summary's metadata (≈ 64 B), one drop record (≈ 48 B), latch and
-// throttle (≈ 40 B): well under DESIGN's 2 KiB.
+// Size without the summary text and trim records, as the bolt and redis
+// backends encode it (internal/store codec): 4 anchors (≤ 52 B each), and per
+// lineage its tip and bookkeeping (56 B), the summary's metadata (46 B),
+// one drop record (41 B), latch and throttle (22 B): 8 full lineages and 4
+// anchors are about 1.6 KiB, under DESIGN's 2 KiB (measured in
+// internal/store's size tests).
 type State struct {
 	// Anchors are provider measurements of forwarded views, most recent
 	// first, at most MaxAnchors; maintained by the proxy through AddAnchor.

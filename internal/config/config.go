@@ -82,6 +82,11 @@ type Compaction struct {
 	LatchGrowth      int           `mapstructure:"latch_growth" yaml:"latch_growth"`             // 20
 	Trim             Trim          `mapstructure:"trim" yaml:"trim"`
 	Summarizer       Summarizer    `mapstructure:"summarizer" yaml:"summarizer"`
+	// ConversationHeaders name a conversation, first match wins (default
+	// X-Compactproxy-Conversation, X-Session-Id); the first is stripped
+	// before forwarding, the others (agents' own) pass unchanged. Empty:
+	// conversations are always derived from their opening messages.
+	ConversationHeaders []string `mapstructure:"conversation_headers" yaml:"conversation_headers"`
 }
 
 // Trim configures the no-model-call trim step.
@@ -119,6 +124,20 @@ type Store struct {
 	MaxEntries   int           `mapstructure:"max_entries" yaml:"max_entries"`     // 100000
 	TTL          time.Duration `mapstructure:"ttl" yaml:"ttl"`                     // 24h
 	TenantSecret Secret        `mapstructure:"tenant_secret" yaml:"tenant_secret"` // "" = random per process
+	Timeout      time.Duration `mapstructure:"timeout" yaml:"timeout"`             // 200ms per operation (bolt, redis)
+	Bolt         Bolt          `mapstructure:"bolt" yaml:"bolt"`
+	Redis        Redis         `mapstructure:"redis" yaml:"redis"`
+}
+
+// Bolt configures the bolt store backend.
+type Bolt struct {
+	Path string `mapstructure:"path" yaml:"path"` // compactproxy.db (the image: /data/compactproxy.db)
+}
+
+// Redis configures the redis store backend.
+type Redis struct {
+	URL    Secret `mapstructure:"url" yaml:"url"`       // redis://[:pw@]host:6379/0 or rediss://; may hold a password
+	Prefix string `mapstructure:"prefix" yaml:"prefix"` // compactproxy:
 }
 
 // Limits bounds what a client may send.
@@ -143,17 +162,18 @@ func Default() Config {
 			DiscoveryInterval: 5 * time.Minute,
 		},
 		Compaction: Compaction{
-			Enabled:          true,
-			Mode:             "enforce",
-			TriggerRatio:     0.80,
-			TargetRatio:      0.60,
-			ReserveTokens:    4096,
-			KeepTail:         3,
-			TailRatio:        0.3,
-			SummaryMinTokens: 256,
-			MinInterval:      60 * time.Second,
-			LatchGrowth:      20,
-			Trim:             Trim{ToolResultTokens: 1024},
+			Enabled:             true,
+			Mode:                "enforce",
+			TriggerRatio:        0.80,
+			TargetRatio:         0.60,
+			ReserveTokens:       4096,
+			KeepTail:            3,
+			TailRatio:           0.3,
+			SummaryMinTokens:    256,
+			MinInterval:         60 * time.Second,
+			LatchGrowth:         20,
+			Trim:                Trim{ToolResultTokens: 1024},
+			ConversationHeaders: []string{"X-Compactproxy-Conversation", "X-Session-Id"},
 			Summarizer: Summarizer{
 				Enabled:       true,
 				MaxTokens:     1024,
@@ -172,6 +192,9 @@ func Default() Config {
 			Backend:    "memory",
 			MaxEntries: 100000,
 			TTL:        24 * time.Hour,
+			Timeout:    200 * time.Millisecond,
+			Bolt:       Bolt{Path: "compactproxy.db"},
+			Redis:      Redis{Prefix: "compactproxy:"},
 		},
 		Limits: Limits{MaxBodyBytes: 33554432},
 		Log:    Log{Level: "info", Format: "json"},

@@ -24,7 +24,7 @@ var (
 // implementedBackends are the store backends that exist today; the others in
 // StoreBackends are part of the contract but rejected until they land, so a
 // config written for them fails at start instead of silently using memory.
-var implementedBackends = []string{"memory"}
+var implementedBackends = []string{"memory", "bolt", "redis"}
 
 // FieldError is one configuration problem, named by its config key
 // ("upstream.url", "models[2].name").
@@ -190,6 +190,21 @@ func (c Config) Validate() error {
 	}
 	v.atLeast("store.max_entries", int64(c.Store.MaxEntries), 1)
 	v.positiveDuration("store.ttl", c.Store.TTL)
+	v.positiveDuration("store.timeout", c.Store.Timeout)
+	if c.Store.Backend == "bolt" && c.Store.Bolt.Path == "" {
+		v.add("store.bolt.path", "is required with store.backend bolt")
+	}
+	if c.Store.Backend == "redis" {
+		if u, err := url.Parse(c.Store.Redis.URL.Reveal()); err != nil || (u.Scheme != "redis" && u.Scheme != "rediss") || u.Host == "" {
+			// Never quote the value: it may carry a password.
+			v.add("store.redis.url", "must be redis://[:password@]host:port/db or rediss://... with store.backend redis")
+		}
+	}
+	for i, h := range c.Compaction.ConversationHeaders {
+		if strings.TrimSpace(h) == "" || strings.ContainsAny(h, " :\t\r\n") {
+			v.add(fmt.Sprintf("compaction.conversation_headers[%d]", i), "must be a header name")
+		}
+	}
 
 	v.atLeast("limits.max_body_bytes", c.Limits.MaxBodyBytes, 1)
 

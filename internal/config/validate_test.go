@@ -102,8 +102,11 @@ func TestValidateRules(t *testing.T) {
 		{"retry.max_elapsed zero", func(c *Config) { c.Retry.MaxElapsed = 0 }, "retry.max_elapsed: must be > 0"},
 
 		{"store.backend unknown", func(c *Config) { c.Store.Backend = "sqlite" }, "store.backend: must be one of"},
-		{"store.backend bolt", func(c *Config) { c.Store.Backend = "bolt" }, `store.backend: "bolt" is not implemented yet`},
-		{"store.backend redis", func(c *Config) { c.Store.Backend = "redis" }, `store.backend: "redis" is not implemented yet`},
+		{"store.bolt.path empty", func(c *Config) { c.Store.Backend = "bolt"; c.Store.Bolt.Path = "" }, "store.bolt.path: is required"},
+		{"store.redis.url empty", func(c *Config) { c.Store.Backend = "redis" }, "store.redis.url: must be redis://"},
+		{"store.redis.url http", func(c *Config) { c.Store.Backend = "redis"; c.Store.Redis.URL = "http://:pw@h:6379" }, "store.redis.url: must be redis://"},
+		{"store.timeout zero", func(c *Config) { c.Store.Timeout = 0 }, "store.timeout: must be > 0"},
+		{"compaction.conversation_headers blank", func(c *Config) { c.Compaction.ConversationHeaders = []string{"X-A", " "} }, "compaction.conversation_headers[1]: must be a header name"},
 		{"store.max_entries zero", func(c *Config) { c.Store.MaxEntries = 0 }, "store.max_entries: must be >= 1"},
 		{"store.ttl zero", func(c *Config) { c.Store.TTL = 0 }, "store.ttl: must be > 0"},
 
@@ -137,7 +140,7 @@ func TestValidateReportsAll(t *testing.T) {
 	c := Default() // no upstream.url
 	c.Upstream.Dialect = "ollama"
 	c.Compaction.TargetRatio = 0.9
-	c.Store.Backend = "redis"
+	c.Store.Backend = "sqlite"
 	c.Retry.Attempts = 0
 	c.Log.Format = "text"
 	got := problems(t, c)

@@ -44,6 +44,7 @@ type Metrics struct {
 	// SummarizeInputTokens is the summarize calls' own reported input
 	// (kind uncached|cache_read|cache_write).
 	SummarizeInputTokens *prometheus.CounterVec
+	StoreErrors          *prometheus.CounterVec // op
 }
 
 // New registers the metrics on reg, plus the Go and process collectors.
@@ -97,6 +98,8 @@ func New(reg prometheus.Registerer) *Metrics {
 			Help: "Input tokens the summarize calls' answers reported, by kind (how much the upstream's cache served)."}, []string{"kind"}),
 		CompactionImpossible: f.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "compaction_impossible_total",
 			Help: "Chat requests over the budget whose fixed part (system messages, tools, template) alone is over it: forwarded as is."}),
+		StoreErrors: f.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "store_errors_total",
+			Help: "Failed state store operations (load, save, lock); the request went on without them."}, []string{"op"}),
 	}
 	// Pre-create the fixed label values so dashboards see zeros.
 	for _, r := range []string{"hit", "miss"} {
@@ -129,6 +132,9 @@ func New(reg prometheus.Registerer) *Metrics {
 	}
 	for _, a := range []string{"trimmed", "summarized", "reused", "dropped"} {
 		m.Compactions.WithLabelValues(a)
+	}
+	for _, op := range []string{"load", "save", "lock"} {
+		m.StoreErrors.WithLabelValues(op)
 	}
 	return m
 }

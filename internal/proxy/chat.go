@@ -114,6 +114,9 @@ func (s *Server) upstreamHeaders(in http.Header) http.Header {
 	for _, k := range hopHeaders {
 		h.Del(k)
 	}
+	if hs := s.cfg.Compaction.ConversationHeaders; len(hs) > 0 {
+		h.Del(hs[0]) // the proxy's own conversation header (DESIGN § Compaction)
+	}
 	if key := s.cfg.Upstream.APIKey.Reveal(); key != "" {
 		h.Del("X-Api-Key")
 		h.Del("Api-Key")

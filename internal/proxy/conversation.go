@@ -14,62 +14,18 @@ import (
 	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
+	"github.com/compactproxy/compactproxy/internal/store"
 	"github.com/compactproxy/compactproxy/internal/summarizer"
 	"go.uber.org/zap"
 )
 
-// stateStore is what the proxy needs of a conversation-state backend: one
-// read and at most two writes per request (store.Memory implements it).
-type stateStore interface {
-	Load(ctx context.Context, key string) (compaction.State, bool, error)
-	Save(ctx context.Context, key string, st compaction.State) error
-	Update(ctx context.Context, key string, fn func(st *compaction.State)) error
-	Delete(ctx context.Context, key string) error
-}
-
-// keyedMutex serializes work per conversation: load → compact → save runs
-// one request at a time per conversation, so concurrent requests of one
-// conversation wait for a running summarize and then reuse its result.
-type keyedMutex struct {
-	mu sync.Mutex
-	m  map[string]*keyedEntry
-}
-
-type keyedEntry struct {
-	mu   sync.Mutex
-	refs int
-}
-
-func (k *keyedMutex) lock(key string) func() {
-	k.mu.Lock()
-	if k.m == nil {
-		k.m = map[string]*keyedEntry{}
-	}
-	e := k.m[key]
-	if e == nil {
-		e = &keyedEntry{}
-		k.m[key] = e
-	}
-	e.refs++
-	k.mu.Unlock()
-	e.mu.Lock()
-	return func() {
-		e.mu.Unlock()
-		k.mu.Lock()
-		e.refs--
-		if e.refs == 0 {
-			delete(k.m, key)
-		}
-		k.mu.Unlock()
-	}
-}
-
 // conversationID returns the opaque id of the request's conversation: the
-// client's X-Compactproxy-Conversation when sent, else the canonical digest
-// of the leading system messages and the first user message.
-func conversationID(r *http.Request, msgs []chat.Message) string {
+// first of compaction.conversation_headers the client sends (hashed: a
+// header value never becomes a key), else the canonical digest of the
+// leading system messages and the first user message.
+func conversationID(r *http.Request, headers []string, msgs []chat.Message) string {
 	h := sha256.New()
-	if c := r.Header.Get("X-Compactproxy-Conversation"); c != "" {
+	if c := conversationHeader(r, headers); c != "" {
 		h.Write([]byte("header\x00"))
 		h.Write([]byte(c))
 	} else {
@@ -93,6 +49,20 @@ func conversationID(r *http.Request, msgs []chat.Message) string {
 		}
 	}
 	return hex.EncodeToString(h.Sum(nil)[:16])
+}
+
+// conversationHeader is the value of the first of headers the request
+// carries, "" when none. The header names are distinct per match: the
+// value "X-Compactproxy-Conversation: a" and "X-Session-Id: a" are the same
+// conversation id on purpose (an agent that moves from one to the other
+// keeps its state).
+func conversationHeader(r *http.Request, headers []string) string {
+	for _, name := range headers {
+		if v := r.Header.Get(name); v != "" {
+			return v
+		}
+	}
+	return ""
 }
 
 // storeKey binds a conversation to its tenant: one tenant's state never
@@ -187,7 +157,7 @@ func (s *Server) openConversation(r *http.Request, cr *chatRequest) *conversatio
 	if err := s.digests.hash(cr.tenant, cr.forward); err != nil {
 		s.log.Warn("message digest failed", zap.String("request_id", infoFrom(r.Context()).id), zap.Error(err))
 	}
-	id := conversationID(r, cr.forward)
+	id := conversationID(r, s.cfg.Compaction.ConversationHeaders, cr.forward)
 	return &conversation{
 		id:       id,
 		key:      storeKey(cr.tenant, id),
@@ -204,61 +174,120 @@ type compactOptions struct {
 	commit         bool // save the new state and count the events
 }
 
-// compact runs the engine over view (the client's provider-visible view)
-// under the conversation's lock: load → decide → save. Without a known
-// window, or when compaction does not apply, it only estimates. It returns
-// the decision and the time spent summarizing (excluded from overhead).
+// compact runs the engine over view (the client's provider-visible view):
+// load → select the lineage → decide → save. Without a known window, or
+// when compaction does not apply, it only estimates; when the state could
+// not be read (the store is down: fail open) it neither summarizes nor
+// saves. A summary that is due is
+// made by summarizeShared, detached from this request. It returns the
+// decision and the time spent summarizing or waiting for a summary
+// (excluded from overhead).
 func (s *Server) compact(ctx context.Context, r *http.Request, cv *conversation, view []chat.Message, model string, maxTokens int, o compactOptions) (compaction.Output, time.Duration) {
 	reqID := infoFrom(ctx).id
 	window := s.windows.get(model)
-	estimateOnly := func(st compaction.State) compaction.Output {
-		e := s.estimator(cv.memo, st.Anchors, cv.identity)(view)
+	conv, loaded := s.loadConversation(ctx, reqID, cv.key)
+	estimateOnly := func() compaction.Output {
+		e := s.estimator(cv.memo, conv.Anchors, cv.identity)(view)
 		out := compaction.Output{Messages: view, Action: compaction.ActionNone, Context: e, Forwarded: e.Tokens}
 		out.Budget = compaction.Budget(window, s.cfg.Compaction.ReserveTokens, maxTokens)
 		return out
 	}
 	if !o.enabled || s.engine == nil || window == 0 {
-		st, _, err := s.store.Load(ctx, cv.key)
-		if err != nil {
-			s.log.Warn("state load failed", zap.String("request_id", reqID), zap.Error(err))
-		}
-		return estimateOnly(st), 0
-	}
-	unlock := s.convLocks.lock(cv.key)
-	defer unlock()
-	st, _, err := s.store.Load(ctx, cv.key)
-	if err != nil {
-		s.log.Warn("state load failed", zap.String("request_id", reqID), zap.Error(err))
+		return estimateOnly(), 0
 	}
 	chain, _, err := cv.memo.chain(view)
 	if err != nil {
 		s.metrics.CompactionErrors.Inc()
-		return estimateOnly(st), 0
+		return estimateOnly(), 0
 	}
-	start := time.Now()
-	out := s.engine.Compact(s.summarizeContext(ctx, r, model), compaction.Input{
-		Messages:       view,
-		Chain:          chain,
-		State:          st,
-		Window:         window,
-		MaxTokens:      maxTokens,
-		Estimate:       s.estimator(cv.memo, st.Anchors, cv.identity),
-		Summarize:      o.summarize,
-		IgnoreThrottle: o.ignoreThrottle,
-	})
-	var spent time.Duration
-	if out.Events.SummarizeCalled {
-		spent = time.Since(start)
-	}
-	if o.commit {
-		s.countCompaction(reqID, out)
-		if out.StateChanged {
-			if err := s.store.Save(ctx, cv.key, out.State); err != nil {
-				s.log.Warn("state save failed", zap.String("request_id", reqID), zap.Error(err))
-			}
+	run := engineRun{cv: cv, view: view, chain: chain, window: window, maxTokens: maxTokens, o: o}
+	if !loaded {
+		// The state could not be read (the store is down or slow): no
+		// summary (it could be neither coordinated nor kept) and nothing
+		// stored, but the no-model-call steps (trim, and drop past the
+		// budget) still apply, so a conversation that outgrew the window
+		// is still answered instead of overflowing upstream.
+		out := s.runEngine(ctx, &run, store.Conversation{}, -1, false)
+		if o.commit {
+			s.countCompaction(reqID, out)
 		}
+		return out, 0
 	}
-	return out, spent
+	li := compaction.SelectLineage(conv.Lineages, chain)
+	dry := s.runEngine(ctx, &run, conv, li, false)
+	if !o.summarize || dry.Action != compaction.ActionSummarizePending {
+		if o.commit {
+			s.commitRun(ctx, reqID, &run, conv, li, dry, false)
+		}
+		return dry, 0
+	}
+	// A summary is due: made once per lineage (in this process and, with a
+	// shared store, across replicas), not under this client's context.
+	start := time.Now()
+	out, ok := s.summarizeShared(ctx, r, reqID, &run, conv, li, model)
+	if !ok {
+		// Another request or replica holds the lineage's summarize, the
+		// store could not lease it, or this client left: forward the
+		// trim-only view now, and store nothing (the summary's save
+		// supersedes it).
+		if o.commit {
+			s.countCompaction(reqID, dry)
+		}
+		return dry, time.Since(start)
+	}
+	return out, time.Since(start)
+}
+
+// engineRun is what one request hands the engine, besides the state.
+type engineRun struct {
+	cv        *conversation
+	view      []chat.Message
+	chain     []anchor.Digest
+	window    int
+	maxTokens int
+	o         compactOptions
+}
+
+// runEngine runs the engine on lineage li of conv (-1: a new lineage).
+// summarize false is the dry pass: the summarizer is never called, and a
+// summary that is due is reported as ActionSummarizePending.
+func (s *Server) runEngine(ctx context.Context, run *engineRun, conv store.Conversation, li int, summarize bool) compaction.Output {
+	var l compaction.Lineage
+	if li >= 0 {
+		l = conv.Lineages[li]
+	}
+	return s.engine.Compact(ctx, compaction.Input{
+		Messages:       run.view,
+		Chain:          run.chain,
+		State:          l.WithAnchors(conv.Anchors),
+		Window:         run.window,
+		MaxTokens:      run.maxTokens,
+		Estimate:       s.estimator(run.cv.memo, conv.Anchors, run.cv.identity),
+		Summarize:      summarize,
+		IgnoreThrottle: run.o.ignoreThrottle,
+	})
+}
+
+// commitRun counts the run's events and, when its state changed, stores
+// it as lineage li of conv (a new lineage when li is -1) through the
+// store's update: the lineage replaces the stored one only while that is
+// still the generation this run started from, unless force (a summarize
+// result); other lineages and the anchors are untouched.
+func (s *Server) commitRun(ctx context.Context, reqID string, run *engineRun, conv store.Conversation, li int, out compaction.Output, force bool) {
+	s.countCompaction(reqID, out)
+	if !out.StateChanged {
+		return
+	}
+	n := len(run.chain) - 1
+	l := compaction.Lineage{ID: compaction.LineageID(run.chain), TipLen: n, Tip: run.chain[n], Used: time.Now().Unix(), State: out.State}
+	var base uint32
+	if li >= 0 {
+		l.ID, base = conv.Lineages[li].ID, conv.Lineages[li].Gen
+	}
+	err := s.store.UpdateLineages(ctx, run.cv.key, func(ls []compaction.Lineage) ([]compaction.Lineage, bool) {
+		return compaction.SaveLineage(ls, l, base, force)
+	})
+	s.storeResult(reqID, "save", err)
 }
 
 // prepareChat is the request path between parsing and forwarding: pairing,
@@ -305,7 +334,13 @@ func (s *Server) prepareChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 			cr.unchanged = false
 		}
 		action := string(out.Action)
-		if action == "" || action == string(compaction.ActionSummarizePending) || s.cfg.Compaction.Mode == "shadow" {
+		if action == string(compaction.ActionSummarizePending) && s.cfg.Compaction.Mode != "shadow" {
+			// Forwarded without the summary that is due (it is being made
+			// elsewhere, or the state is unreadable): say what the view
+			// carries instead.
+			action = viewAction(cr.client, out.Messages)
+		}
+		if action == "" || s.cfg.Compaction.Mode == "shadow" {
 			action = "none"
 		}
 		ci.action = action
@@ -384,15 +419,46 @@ func (s *Server) recordAnchor(ctx context.Context, reqID string, cv *conversatio
 		return
 	}
 	fit := s.calibration.Fit(identity)
-	if err := s.store.Update(ctx, key, func(st *compaction.State) {
+	calibrated := false
+	err = s.store.UpdateAnchors(ctx, key, func(anchors []anchor.Anchor) ([]anchor.Anchor, bool) {
 		// Calibrate on what this view's estimate was, against the
 		// provider's answer: an anchored estimate teaches only about the
-		// messages after its anchor.
-		s.calibration.ObserveEstimate(identity, anchor.EstimateView(chain, local, st.Anchors, fit), u.Input)
-		st.AddAnchor(a)
-	}); err != nil {
-		s.log.Warn("anchor record failed", zap.String("request_id", reqID), zap.Error(err))
+		// messages after its anchor. (Once: the update may run again.)
+		if !calibrated {
+			calibrated = true
+			s.calibration.ObserveEstimate(identity, anchor.EstimateView(chain, local, anchors, fit), u.Input)
+		}
+		if len(anchors) > 0 && sameMeasurement(anchors[0], a) {
+			return anchors, false // already the newest: no write (a retried or repeated request)
+		}
+		return compaction.MergeAnchor(anchors, a), true
+	})
+	s.storeResult(reqID, "save", err)
+}
+
+// viewAction names the strongest compaction a forwarded view carries
+// compared with the client's, in the header's order (a summary message,
+// one the proxy synthesized, is a re-applied summary here: a summary made
+// now is reported by the engine).
+func viewAction(client, forwarded []chat.Message) string {
+	if sameView(client, forwarded) {
+		return "none"
 	}
+	for i := range forwarded {
+		if forwarded[i].Index < 0 {
+			return string(compaction.ActionReused)
+		}
+	}
+	if len(forwarded) < len(client) {
+		return string(compaction.ActionDropped)
+	}
+	return string(compaction.ActionTrimmed)
+}
+
+// sameMeasurement reports whether two anchors measure the same prefix with
+// the same result (their times aside).
+func sameMeasurement(a, b anchor.Anchor) bool {
+	return a.PrefixLen == b.PrefixLen && a.Prefix == b.Prefix && a.Input == b.Input && a.Output == b.Output
 }
 
 // sameView reports whether two views are the same messages (same bytes).

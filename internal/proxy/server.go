@@ -41,8 +41,9 @@ type Server struct {
 	ready        *readiness
 	windows      *windows
 	upstreamName string
-	store        stateStore
-	convLocks    keyedMutex
+	store        store.Backend
+	storeHealth  storeHealth
+	flights      flights
 	calibration  *anchor.Calibration
 	impossible   onceSet // conversations warned about a fixed part over the budget
 	local        anchor.LocalEstimator
@@ -104,7 +105,9 @@ func New(cfg config.Config, log *zap.Logger, reg *prometheus.Registry) (*Server,
 	if s.upstreamName == "" {
 		s.upstreamName = up.base.Host
 	}
-	s.store = store.NewMemory[compaction.State](cfg.Store.MaxEntries, cfg.Store.TTL)
+	if s.store, err = openStore(cfg.Store); err != nil {
+		return nil, err
+	}
 	s.calibration = anchor.NewCalibration(1024)
 	s.local = anchor.NewLocalEstimator()
 	s.digests = newDigestCache(digestCacheEntries)
@@ -148,5 +151,5 @@ func (s *Server) Handler() http.Handler { return s.handler }
 // Close releases resources.
 func (s *Server) Close() error {
 	s.transport.CloseIdleConnections()
-	return nil
+	return s.store.Close()
 }

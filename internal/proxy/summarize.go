@@ -1,15 +1,20 @@
 package proxy
 
 import (
+	"bytes"
 	"context"
 	"math"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
+	"sync"
+	"time"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
+	"github.com/compactproxy/compactproxy/internal/store"
 	"github.com/compactproxy/compactproxy/internal/summarizer"
 )
 
@@ -146,9 +151,18 @@ func (s *Server) withSummarizeRequest(ctx context.Context, req *chat.Request) co
 	if !s.summarizerIsUpstream || (sumModel != "" && sumModel != req.Model) {
 		return ctx
 	}
+	// The summarize runs detached from the request and may outlive its
+	// handler, whose body buffer is pooled: the builder keeps its own copy
+	// of the top-level fields (the messages array is replaced anyway).
+	own := &chat.Request{Fields: make([]chat.Field, 0, len(req.Fields))}
 	hasTools := false
 	for _, f := range req.Fields {
 		hasTools = hasTools || f.Key == "tools"
+		c := chat.Field{Key: strings.Clone(f.Key)}
+		if f.Key != "messages" {
+			c.Value = bytes.Clone(f.Value)
+		}
+		own.Fields = append(own.Fields, c)
 	}
 	return summarizer.WithBuilder(ctx, func(msgs []chat.Message, maxTokens int) []byte {
 		limit := []byte(strconv.Itoa(maxTokens))
@@ -166,6 +180,152 @@ func (s *Server) withSummarizeRequest(ctx context.Context, req *chat.Request) co
 		if hasTools {
 			set[len(set)-1].Value = []byte(`"none"`)
 		}
-		return req.Build(msgs, set)
+		return own.Build(msgs, set)
 	})
+}
+
+// flights are the summarizes running in this process, by lease name: a
+// request of the same lineage (a concurrent one, or an SDK's retry of a
+// request whose client timed out) waits for the running one instead of
+// starting its own.
+type flights struct {
+	mu sync.Mutex
+	m  map[string]*flight
+}
+
+// flight is one detached summarize; done closes when its state is saved.
+type flight struct {
+	done chan struct{}
+	out  compaction.Output
+	ok   bool // out is a summarize run's result (not: lease held elsewhere)
+}
+
+// join returns the running flight of name, or starts one (leader true).
+func (f *flights) join(name string) (fl *flight, leader bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if fl := f.m[name]; fl != nil {
+		return fl, false
+	}
+	if f.m == nil {
+		f.m = map[string]*flight{}
+	}
+	fl = &flight{done: make(chan struct{})}
+	f.m[name] = fl
+	return fl, true
+}
+
+func (f *flights) finish(name string, fl *flight) {
+	f.mu.Lock()
+	delete(f.m, name)
+	f.mu.Unlock()
+	close(fl.done)
+}
+
+// leaseMargin is added to the summarizer's timeout for the lease's life: a
+// holder that dies frees the lineage after that much time at most.
+const leaseMargin = 10 * time.Second
+
+// leaseName names the summarize of lineage li of the conversation (key is
+// tenant-bound and opaque). A lineage not stored yet has no id, and two
+// requests of it may differ in length: new lineages of a conversation
+// share one name, so at worst one of them waits a step for its own.
+func leaseName(key string, ls []compaction.Lineage, li int) string {
+	if li < 0 {
+		return key + "|new"
+	}
+	return key + "|" + strconv.FormatUint(ls[li].ID, 16)
+}
+
+// summarizeShared makes the summary that is due for run's lineage, once:
+// in this process by a flight per lease name, across replicas by the
+// store's lease. The summarize runs detached from the request (its own
+// context, bounded by compaction.summarizer.timeout), so a client that
+// leaves or times out does not cancel it, and its retry finds it in
+// progress or made. The request waits, giving up when its own client
+// leaves. ok false: no summary for this request (held elsewhere, the store
+// failed, the client left, or the wait found nothing new); the caller
+// forwards the dry run's view.
+func (s *Server) summarizeShared(ctx context.Context, r *http.Request, reqID string, run *engineRun, conv store.Conversation, li int, model string) (compaction.Output, bool) {
+	name := leaseName(run.cv.key, conv.Lineages, li)
+	fl, leader := s.flights.join(name)
+	if leader {
+		// Everything the detached run reads is its own: the request's
+		// body buffer is pooled and reused once the handler returns.
+		sctx := s.summarizeContext(context.WithoutCancel(ctx), r, model)
+		own := *run
+		own.view = detachMessages(run.view)
+		own.chain = slices.Clone(run.chain)
+		own.cv = &conversation{id: run.cv.id, key: run.cv.key, identity: run.cv.identity,
+			memo: &chainMemo{s: s, seed: run.cv.memo.seed}}
+		go s.summarizeFlight(sctx, reqID, name, fl, &own)
+	}
+	select {
+	case <-fl.done:
+	case <-ctx.Done():
+		return compaction.Output{}, false
+	}
+	if leader {
+		return fl.out, fl.ok
+	}
+	if !fl.ok {
+		return compaction.Output{}, false
+	}
+	// Another request's summary of this lineage: re-read the state and
+	// re-apply it to this request's own view (no summarize call).
+	conv, loaded := s.loadConversation(ctx, reqID, run.cv.key)
+	if !loaded {
+		return compaction.Output{}, false
+	}
+	li = compaction.SelectLineage(conv.Lineages, run.chain)
+	out := s.runEngine(ctx, run, conv, li, false)
+	if out.Action == compaction.ActionSummarizePending {
+		return compaction.Output{}, false
+	}
+	if run.o.commit {
+		s.commitRun(ctx, reqID, run, conv, li, out, false)
+	}
+	return out, true
+}
+
+// summarizeFlight is the detached summarize: lease, re-read (another
+// replica may have just saved it), run the engine with the summarizer,
+// save (the result supersedes what others recorded meanwhile), release.
+func (s *Server) summarizeFlight(ctx context.Context, reqID, name string, fl *flight, run *engineRun) {
+	defer s.flights.finish(name, fl)
+	timeout := s.cfg.Compaction.Summarizer.Timeout
+	if timeout <= 0 {
+		timeout = 60 * time.Second
+	}
+	release, ok, err := s.store.Lease(ctx, name, timeout+leaseMargin)
+	s.storeResult(reqID, "lock", err)
+	if err != nil || !ok {
+		return
+	}
+	defer release()
+	conv, loaded := s.loadConversation(ctx, reqID, run.cv.key)
+	if !loaded {
+		return
+	}
+	li := compaction.SelectLineage(conv.Lineages, run.chain)
+	ctx, cancel := context.WithTimeout(ctx, timeout+leaseMargin/2)
+	defer cancel()
+	out := s.runEngine(ctx, run, conv, li, true)
+	if run.o.commit {
+		s.commitRun(ctx, reqID, run, conv, li, out, out.Events.SummarizeCalled)
+	}
+	fl.out, fl.ok = out, true
+}
+
+// detachMessages deep-copies the bytes of msgs (Raw and Content alias the
+// request body).
+func detachMessages(msgs []chat.Message) []chat.Message {
+	out := make([]chat.Message, len(msgs))
+	for i, m := range msgs {
+		m.Raw = bytes.Clone(m.Raw)
+		m.Content = bytes.Clone(m.Content)
+		m.ToolCalls = slices.Clone(m.ToolCalls)
+		out[i] = m
+	}
+	return out
 }

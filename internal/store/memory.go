@@ -1,8 +1,10 @@
-// Package store keeps per-conversation state. The memory backend is bounded
-// by a maximum entry count (least recently used evicted first) and a TTL
-// since the last write. Persistent (bolt) and shared (redis) backends are
-// planned behind the same small interface: one read and at most two writes
-// per request, never one round trip per message.
+// Package store keeps per-conversation state behind one small interface
+// (Backend): one read and at most two writes per request, never one round
+// trip per message. Backends: memory (bounded by a maximum entry count,
+// least recently used evicted first, and a TTL since the last write), bolt
+// (an embedded file that survives restarts, swept in the background) and
+// redis (shared by replicas, every key with a TTL, with a lease so one
+// replica summarizes a lineage at a time).
 package store
 
 import (
