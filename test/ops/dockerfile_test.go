@@ -72,9 +72,16 @@ func parseDockerfile(t *testing.T, path string) dockerfile {
 				d.buildRun = rest
 			}
 		case "COPY":
-			if final && strings.HasPrefix(rest, "--from=") {
-				f := strings.Fields(rest)
-				d.artifact, d.installed = f[1], f[2]
+			// The final stage's first COPY --from is the binary (later
+			// ones bring data directories, e.g. /data for bolt).
+			if final && strings.HasPrefix(rest, "--from=") && d.artifact == "" {
+				var f []string
+				for _, w := range strings.Fields(rest) {
+					if !strings.HasPrefix(w, "--") {
+						f = append(f, w)
+					}
+				}
+				d.artifact, d.installed = f[0], f[1]
 			}
 		case "ENV":
 			if final {
