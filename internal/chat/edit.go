@@ -121,11 +121,24 @@ func members(raw []byte) (list []member, open, close int, ok bool) {
 // bytes and order; the view is decoded again and the digest cleared. A
 // message whose Raw is not a JSON object is returned as is.
 func WithContentText(m Message, text string) Message {
+	return withContent(m, appendString(nil, text))
+}
+
+// WithContentTextPart is WithContentText for a message whose content is an
+// array of parts: the content becomes an array of one text part holding
+// text, so the message keeps its shape (a client or a template that
+// expects parts still gets parts).
+func WithContentTextPart(m Message, text string) Message {
+	value := append([]byte(`[{"type":"text","text":`), appendString(nil, text)...)
+	return withContent(m, append(value, "}]"...))
+}
+
+// withContent replaces (or adds) m's "content" with the JSON value.
+func withContent(m Message, value []byte) Message {
 	list, _, close, ok := members(m.Raw)
 	if !ok {
 		return m
 	}
-	value := appendString(nil, text)
 	out := make([]byte, 0, len(m.Raw)+len(value)+16)
 	last, found := 0, false
 	for _, mb := range list {

@@ -14,7 +14,8 @@
 //   - Trim excerpts are not stored: an excerpt is a pure function of the
 //     message and Trim.Keep, recomputed per request from the JSON literal
 //     without decoding the elided middle. Tool results with image, audio or
-//     file parts are never excerpted; arrays of text parts become a string.
+//     file parts are never excerpted; an array of text parts becomes an array of
+//     one text part holding the excerpt (the message keeps its shape).
 //     "Long" is measured locally (text bytes / 4) per message; the view as a
 //     whole is always measured with the Estimator.
 //   - keep_tail 0 still keeps the client's final message (it must stay

@@ -721,8 +721,9 @@ func TestTrimmable(t *testing.T) {
 			map[string]any{"type": "image_url", "image_url": map[string]any{"url": "data:image/png;base64,AAAA"}}}},
 		{"role": "user", "content": long},
 	})
-	if m, ok := trimmed(msgs[0], 2048); !ok || !m.ContentIsString || m.TextBytes > 2200 || m.ToolCallID != "a" {
-		t.Errorf("text parts not excerpted: %v %d", ok, m.TextBytes)
+	if m, ok := trimmed(msgs[0], 2048); !ok || m.ContentIsString || m.Content[0] != '[' || m.TextBytes > 2200 || m.ToolCallID != "a" ||
+		!strings.Contains(chat.Text(m), "characters elided") {
+		t.Errorf("text parts not excerpted as a part array: %v string=%v %d", ok, m.ContentIsString, m.TextBytes)
 	}
 	if _, ok := trimmed(msgs[1], 2048); ok {
 		t.Error("a result with an image was excerpted")

@@ -120,7 +120,8 @@ func groupThousands(n int) string {
 }
 
 // trimmed returns m with its text replaced by an excerpt keeping keep
-// bytes; ok is false when m cannot or need not be excerpted.
+// bytes (a content-part array becomes an array of one text part); ok is
+// false when m cannot or need not be excerpted.
 func trimmed(m chat.Message, keep int) (chat.Message, bool) {
 	if !trimmable(&m) {
 		return m, false
@@ -134,6 +135,9 @@ func trimmed(m chat.Message, keep int) (chat.Message, bool) {
 	}
 	if !ok {
 		return m, false
+	}
+	if !m.ContentIsString {
+		return chat.WithContentTextPart(m, text), true // the array keeps its shape
 	}
 	return chat.WithContentText(m, text), true
 }
