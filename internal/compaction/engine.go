@@ -129,6 +129,12 @@ type Input struct {
 	// IgnoreThrottle is set by overflow recovery: the throttle is ignored,
 	// the latch honoured.
 	IgnoreThrottle bool
+	// Presummarize is a background run after a response (DESIGN step 2,
+	// "Background pre-summarization"): the head is summarized as if the
+	// view were over the trigger, under the same latch, throttle and
+	// sizing, and a summary is stored in State.Pending, not applied; the
+	// client's view is returned unchanged.
+	Presummarize bool
 	// Measured > 0 is the provider-measured size of this view (from an
 	// overflow error); it overrides the estimate of the client's view, and
 	// every candidate view's estimate is scaled up by the same ratio.
@@ -316,6 +322,7 @@ type run struct {
 	reapplied map[int]int
 
 	newTrims, newSum, newDrop, pending bool
+	usedPending                         bool // a background summary was applied
 }
 
 // Compact decides what to forward for one request (DESIGN.md § Compaction).
@@ -415,6 +422,9 @@ func (r *run) compact() Output {
 	}
 	out.Trigger = out.Fixed + int(float64(room)*cfg.TriggerRatio)
 	out.Target = out.Fixed + int(float64(room)*cfg.TargetRatio)
+	if r.in.Presummarize {
+		return r.presummarize(out, p, cur)
+	}
 	if cur >= out.Trigger {
 		headStart := r.lead
 		if p.sum != nil {
@@ -716,6 +726,74 @@ func (r *run) headView(p plan, from, cut int) []chat.Message {
 	return out
 }
 
+// applyPending applies the background summary when its head still matches
+// the client's chain, it lies within the current head and it shrinks the
+// view: no model call on the request that crosses the trigger. base is the
+// plan without the head (its trims after the cut are kept).
+func (r *run) applyPending(p *plan, base plan, headStart, cur int) (plan, int, bool) {
+	ps := r.st.Pending
+	if ps == nil || !r.chain || ps.Lead != r.lead || ps.Cut <= headStart || ps.Cut > r.tail ||
+		ps.Cut >= r.n || r.in.Chain[ps.Cut] != ps.Head {
+		return plan{}, 0, false
+	}
+	s := *ps
+	s.Ask, s.AskInline = r.askFor(s.Cut)
+	next := r.msgs[s.Cut].Role
+	if s.Ask >= 0 && !s.AskInline {
+		next = "user"
+	}
+	s.Ack = next == "user"
+	q := plan{sum: &s, trims: map[int]int{}}
+	for i, k := range base.trims {
+		if i >= s.Cut {
+			q.trims[i] = k
+		}
+	}
+	for _, d := range base.drops {
+		if d.From >= s.Cut {
+			q.drops = append(q.drops, d)
+		}
+	}
+	e := r.est(r.view(q))
+	if e >= cur {
+		return plan{}, 0, false
+	}
+	r.st.Pending = nil
+	r.usedPending = true
+	r.st.Latched, r.st.LatchCount = false, 0
+	return q, e, true
+}
+
+// presummarize is the background run: step 2 on the client's view as if
+// it were over the trigger; a summary goes to State.Pending.
+func (r *run) presummarize(out Output, p plan, cur int) Output {
+	cfg := r.e.cfg
+	out.Messages, out.Action, out.Forwarded = r.in.Messages, ActionNone, cur
+	headStart := r.lead
+	if p.sum != nil {
+		headStart = p.sum.Cut
+	}
+	room := out.Budget - out.Fixed
+	r.tail = r.extendTail(r.tail, headStart, out.Fixed, int(float64(room)*cfg.TailRatio))
+	if ps := r.st.Pending; ps != nil && r.chain && ps.Lead == r.lead && ps.Cut > headStart && ps.Cut < r.n &&
+		r.in.Chain[ps.Cut] == ps.Head {
+		// The background summary made at an earlier step still applies:
+		// one is enough until the trigger is crossed.
+	} else if cfg.SummarizerEnabled && r.e.sum != nil && r.chain && !cfg.Shadow && r.tail > headStart && r.tail < r.n {
+		q := p
+		r.st.Pending = nil // a new one supersedes it
+		if _, ok := r.summarize(&q, cur, headStart, out.Budget, out.Target); ok && q.sum != nil && r.newSum {
+			s := *q.sum
+			r.st.Pending = &s
+		}
+	}
+	r.newSum = false
+	out.State = r.st
+	out.StateChanged = !stateEqual(r.in.State, r.st)
+	out.Events = r.ev
+	return out
+}
+
 // prefixView is the view p forwards, up to client position cut.
 func (r *run) prefixView(p plan, cut int) []chat.Message {
 	q := p
@@ -808,6 +886,11 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 		return cur, false // no summary fits: step 4
 	}
 	limit := min(cfg.SummaryTokens, room, headTokens)
+
+	if q, e, ok := r.applyPending(p, base, headStart, cur); ok {
+		*p = q
+		return e, true
+	}
 
 	n := r.n
 	if r.st.Latched {
@@ -1011,7 +1094,7 @@ func (r *run) finish(out Output, p plan, cur int) Output {
 			break
 		}
 	}
-	fresh := r.newTrims || r.newSum || r.newDrop
+	fresh := r.newTrims || r.newSum || r.newDrop || r.usedPending
 
 	out.Messages = in.Messages
 	if !p.empty() {
@@ -1039,7 +1122,7 @@ func (r *run) finish(out Output, p plan, cur int) Output {
 	// The action the forwarded view carries and the new ones.
 	out.Action = ActionNone
 	switch {
-	case p.sum != nil && r.newSum:
+	case p.sum != nil && r.newSum && !r.usedPending:
 		out.Action = ActionSummarized
 		r.ev.NewActions = append(r.ev.NewActions, ActionSummarized)
 	case p.sum != nil:
@@ -1093,6 +1176,9 @@ func stateEqual(a, b State) bool {
 		return false
 	}
 	if (a.Summary == nil) != (b.Summary == nil) || (a.Summary != nil && *a.Summary != *b.Summary) {
+		return false
+	}
+	if (a.Pending == nil) != (b.Pending == nil) || (a.Pending != nil && *a.Pending != *b.Pending) {
 		return false
 	}
 	return true

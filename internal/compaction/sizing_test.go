@@ -183,3 +183,48 @@ func TestTailRatio(t *testing.T) {
 		t.Fatalf("tail_ratio 0.3 kept %d messages verbatim, keep_tail alone %d", extended, floor)
 	}
 }
+
+// Background pre-summarization: a run with Presummarize below the trigger
+// stores a summary in State.Pending and forwards the client's view as is;
+// the request that crosses the trigger applies it without a model call.
+func TestPresummarize(t *testing.T) {
+	sum := okSummarizer()
+	e := New(baseConfig(), sum, newClock())
+	conv := agentSteps(10, 1500)
+	var st State
+	run := func(msgs []chat.Message, pre bool) Output {
+		out := e.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), State: st,
+			Window: 10000, Estimate: fakeEstimate, Summarize: true, Presummarize: pre})
+		if out.StateChanged {
+			st = out.State
+		}
+		return out
+	}
+	msgs := parse(t, conv)
+	below := run(msgs, false)
+	if below.Context.Tokens >= below.Trigger || below.Action != ActionNone {
+		t.Fatalf("setup: %d tokens, trigger %d, action %q", below.Context.Tokens, below.Trigger, below.Action)
+	}
+	bg := run(msgs, true)
+	if sum.Calls() != 1 || st.Pending == nil || st.Summary != nil || &bg.Messages[0] != &msgs[0] || bg.Action != ActionNone {
+		t.Fatalf("background run: calls %d pending %v summary %v action %q", sum.Calls(), st.Pending != nil, st.Summary != nil, bg.Action)
+	}
+	// Still below the trigger: the pending summary is not applied.
+	if out := run(msgs, false); out.Action != ActionNone || len(out.Messages) != len(msgs) {
+		t.Fatalf("pending summary applied below the trigger: %q", out.Action)
+	}
+	for i := 0; ; i++ {
+		id := fmt.Sprintf("p%d", i)
+		conv = append(conv, callMsg("", id+`:read:{}`), toolMsg(id, blob(id, 1500)))
+		msgs = parse(t, conv)
+		out := run(msgs, false)
+		if out.Context.Tokens < out.Trigger {
+			continue
+		}
+		if sum.Calls() != 1 || out.Action != ActionReused || out.Forwarded >= out.Target || st.Summary == nil || st.Pending != nil {
+			t.Fatalf("crossing request: calls %d action %q forwarded %d target %d", sum.Calls(), out.Action, out.Forwarded, out.Target)
+		}
+		checkView(t, msgs, out)
+		break
+	}
+}

@@ -36,6 +36,10 @@ type State struct {
 
 	// Summary is the stored summary, nil when none.
 	Summary *Summary
+	// Pending is a summary made in the background (Input.Presummarize)
+	// and not applied yet: the request that crosses the trigger applies it
+	// instead of calling the summarizer, when its head still matches.
+	Pending *Summary
 	// Trims are the tool results that are forwarded as excerpts, in index
 	// order.
 	Trims []Trim
@@ -129,5 +133,9 @@ func (s State) clone() State {
 		c.Summary = &v
 	}
 	c.Drops = slices.Clone(s.Drops)
+	if s.Pending != nil {
+		v := *s.Pending
+		c.Pending = &v
+	}
 	return c
 }

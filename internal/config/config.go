@@ -77,11 +77,15 @@ type Compaction struct {
 	TailRatio float64 `mapstructure:"tail_ratio" yaml:"tail_ratio"` // 0.3
 	// SummaryMinTokens: a summary is attempted only when at least this much
 	// room is left for it.
-	SummaryMinTokens int           `mapstructure:"summary_min_tokens" yaml:"summary_min_tokens"` // 256
-	MinInterval      time.Duration `mapstructure:"min_interval" yaml:"min_interval"`             // 60s; 0 disables the throttle
-	LatchGrowth      int           `mapstructure:"latch_growth" yaml:"latch_growth"`             // 20
-	Trim             Trim          `mapstructure:"trim" yaml:"trim"`
-	Summarizer       Summarizer    `mapstructure:"summarizer" yaml:"summarizer"`
+	SummaryMinTokens int `mapstructure:"summary_min_tokens" yaml:"summary_min_tokens"` // 256
+	// PresummarizeRatio: after a response whose next request would be over
+	// this share of the room but under the trigger, the head is summarized
+	// in the background and stored; 0 = off.
+	PresummarizeRatio float64       `mapstructure:"presummarize_ratio" yaml:"presummarize_ratio"` // 0.7
+	MinInterval       time.Duration `mapstructure:"min_interval" yaml:"min_interval"`             // 60s; 0 disables the throttle
+	LatchGrowth       int           `mapstructure:"latch_growth" yaml:"latch_growth"`             // 20
+	Trim              Trim          `mapstructure:"trim" yaml:"trim"`
+	Summarizer        Summarizer    `mapstructure:"summarizer" yaml:"summarizer"`
 	// ConversationHeaders name a conversation, first match wins (default
 	// X-Compactproxy-Conversation, X-Session-Id); the first is stripped
 	// before forwarding, the others (agents' own) pass unchanged. Empty:
@@ -170,6 +174,7 @@ func Default() Config {
 			KeepTail:            3,
 			TailRatio:           0.3,
 			SummaryMinTokens:    256,
+			PresummarizeRatio:   0.7,
 			MinInterval:         60 * time.Second,
 			LatchGrowth:         20,
 			Trim:                Trim{ToolResultTokens: 1024},

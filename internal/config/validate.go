@@ -162,6 +162,9 @@ func (c Config) Validate() error {
 		v.add("compaction.tail_ratio", "must be in [0, 1], got %g", cp.TailRatio)
 	}
 	v.atLeast("compaction.summary_min_tokens", int64(cp.SummaryMinTokens), 1)
+	if cp.PresummarizeRatio < 0 || cp.PresummarizeRatio >= 1 {
+		v.add("compaction.presummarize_ratio", "must be in [0, 1), got %g", cp.PresummarizeRatio)
+	}
 	v.nonNegativeDuration("compaction.min_interval", cp.MinInterval)
 	v.atLeast("compaction.latch_growth", int64(cp.LatchGrowth), 1)
 	v.atLeast("compaction.trim.tool_result_tokens", int64(cp.Trim.ToolResultTokens), 1)

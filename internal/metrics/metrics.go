@@ -44,7 +44,9 @@ type Metrics struct {
 	// SummarizeInputTokens is the summarize calls' own reported input
 	// (kind uncached|cache_read|cache_write).
 	SummarizeInputTokens *prometheus.CounterVec
-	StoreErrors          *prometheus.CounterVec // op
+	// Presummarize counts background summaries by result.
+	Presummarize *prometheus.CounterVec // result
+	StoreErrors  *prometheus.CounterVec // op
 }
 
 // New registers the metrics on reg, plus the Go and process collectors.
@@ -94,6 +96,8 @@ func New(reg prometheus.Registerer) *Metrics {
 		SummarizeDuration: f.NewHistogramVec(prometheus.HistogramOpts{Namespace: ns, Name: "summarize_duration_seconds",
 			Help:    "Time of the compaction steps that called the summarizer (all chunks of one summary), by result.",
 			Buckets: prometheus.ExponentialBuckets(0.05, 2, 12)}, []string{"result"}),
+		Presummarize: f.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "presummarize_total",
+			Help: "Background summaries made after a response whose next request nears the trigger, by result."}, []string{"result"}),
 		SummarizeInputTokens: f.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "summarize_input_tokens_total",
 			Help: "Input tokens the summarize calls' answers reported, by kind (how much the upstream's cache served)."}, []string{"kind"}),
 		CompactionImpossible: f.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "compaction_impossible_total",
@@ -107,6 +111,9 @@ func New(reg prometheus.Registerer) *Metrics {
 	}
 	for _, k := range []string{"uncached", "cache_read", "cache_write"} {
 		m.SummarizeInputTokens.WithLabelValues(k)
+	}
+	for _, r := range []string{"success", "failure"} {
+		m.Presummarize.WithLabelValues(r)
 	}
 	// Counters that alerts watch with increase()/rate(): a series born at
 	// its first increment has no earlier sample, so Prometheus would miss

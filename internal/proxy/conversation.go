@@ -395,6 +395,9 @@ func (s *Server) prepareChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 	// messages forwarded, before the response's last byte is written.
 	cr.onUsage = func(u anchor.Usage) {
 		s.recordAnchor(context.WithoutCancel(ctx), ri.id, cv, cr.forward, u)
+		if opts.enabled && s.nearTrigger(last, u) {
+			s.presummarize(ctx, r, ri.id, cv, cr.client, req.Model, req.MaxTokens)
+		}
 	}
 	return false
 }

@@ -130,6 +130,7 @@ func TestRedisRoundTripsPerRequest(t *testing.T) {
 	cfg := compactionConfig(up.URL, sum.URL)
 	cfg.Store.Backend = "redis"
 	cfg.Store.Redis.URL = config.Secret(rd.URL())
+	cfg.Compaction.PresummarizeRatio = 0 // round trips of requests, not of background summaries
 	p := newTestProxy(t, cfg)
 	rc := redis.NewClient(&redis.Options{Addr: rd.Addr})
 	defer rc.Close()

@@ -191,6 +191,8 @@ func (s *Server) withSummarizeRequest(ctx context.Context, req *chat.Request) co
 type flights struct {
 	mu sync.Mutex
 	m  map[string]*flight
+	// bg counts background summaries (presummarize) not finished yet.
+	bg sync.WaitGroup
 }
 
 // flight is one detached summarize; done closes when its state is saved.
@@ -329,3 +331,92 @@ func detachMessages(msgs []chat.Message) []chat.Message {
 	}
 	return out
 }
+
+// nearTrigger tells whether the request after this response would be over
+// compaction.presummarize_ratio of the room but still under the trigger:
+// its input will be at least this one's plus this answer.
+func (s *Server) nearTrigger(out compaction.Output, u anchor.Usage) bool {
+	ratio := s.cfg.Compaction.PresummarizeRatio
+	if ratio <= 0 || s.engine == nil || out.Budget <= 0 || out.Fixed >= out.Budget || !u.HasInput ||
+		out.Action == compaction.ActionSummarized || s.cfg.Compaction.Mode == "shadow" {
+		return false
+	}
+	next := u.Input + u.Output
+	return next >= out.Fixed+int(ratio*float64(out.Budget-out.Fixed)) && next < out.Trigger
+}
+
+// presummarize summarizes the conversation's head in the background after
+// a response (DESIGN step 2, "Background pre-summarization") and stores
+// the summary without applying it: the request that crosses the trigger
+// re-applies it instead of waiting for a model call. It runs like a
+// summarize due on a request (one flight per lineage, the store's lease,
+// max_concurrent, latch and throttle), detached from the client, on its
+// own copy of the messages (the request's body buffer is pooled).
+func (s *Server) presummarize(ctx context.Context, r *http.Request, reqID string, cv *conversation, view []chat.Message, model string, maxTokens int) {
+	window := s.windows.get(model)
+	if window == 0 {
+		return
+	}
+	own := detachMessages(view)
+	ocv := &conversation{id: cv.id, key: cv.key, identity: cv.identity, memo: &chainMemo{s: s, seed: cv.memo.seed}}
+	chain, _, err := ocv.memo.chain(own)
+	if err != nil {
+		return
+	}
+	chain = slices.Clone(chain)
+	sctx := s.summarizeContext(context.WithoutCancel(ctx), r, model)
+	s.flights.bg.Add(1)
+	go func() {
+		defer s.flights.bg.Done()
+		run := engineRun{cv: ocv, view: own, chain: chain, window: window, maxTokens: maxTokens,
+			o: compactOptions{enabled: true, summarize: true, commit: true}}
+		conv, loaded := s.loadConversation(sctx, reqID, ocv.key)
+		if !loaded {
+			return
+		}
+		name := leaseName(ocv.key, conv.Lineages, compaction.SelectLineage(conv.Lineages, chain))
+		fl, leader := s.flights.join(name)
+		if !leader {
+			return // a summarize of this lineage is running already
+		}
+		defer s.flights.finish(name, fl)
+		timeout := s.cfg.Compaction.Summarizer.Timeout
+		if timeout <= 0 {
+			timeout = 60 * time.Second
+		}
+		release, ok, err := s.store.Lease(sctx, name, timeout+leaseMargin)
+		s.storeResult(reqID, "lock", err)
+		if err != nil || !ok {
+			return
+		}
+		defer release()
+		if conv, loaded = s.loadConversation(sctx, reqID, ocv.key); !loaded {
+			return
+		}
+		li := compaction.SelectLineage(conv.Lineages, chain)
+		var l compaction.Lineage
+		if li >= 0 {
+			l = conv.Lineages[li]
+		}
+		rctx, cancel := context.WithTimeout(sctx, timeout+leaseMargin/2)
+		defer cancel()
+		out := s.engine.Compact(rctx, compaction.Input{
+			Messages: run.view, Chain: run.chain, State: l.WithAnchors(conv.Anchors),
+			Window: window, MaxTokens: maxTokens,
+			Estimate:  s.estimator(ocv.memo, conv.Anchors, ocv.identity),
+			Summarize: true, Presummarize: true,
+		})
+		if out.Events.SummarizeCalled {
+			if out.Events.SummarizeOK {
+				s.metrics.Presummarize.WithLabelValues("success").Inc()
+			} else {
+				s.metrics.Presummarize.WithLabelValues("failure").Inc()
+			}
+		}
+		s.commitRun(rctx, reqID, &run, conv, li, out, false)
+	}()
+}
+
+// waitBackground waits until no background summary runs (tests; a
+// drain).
+func (f *flights) waitBackground() { f.bg.Wait() }

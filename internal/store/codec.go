@@ -31,6 +31,7 @@ const (
 	flagAck
 	flagAskInline
 	flagAttempt
+	flagPending
 )
 
 // errCodec reports a value this version cannot read.
@@ -104,6 +105,9 @@ func encodeLineages(ls []compaction.Lineage) []byte {
 		if !st.LastAttempt.IsZero() {
 			f |= flagAttempt
 		}
+		if st.Pending != nil {
+			f |= flagPending
+		}
 		b = append(b, f)
 		b = binary.AppendUvarint(b, uint64(st.LatchCount))
 		if f&flagAttempt != 0 {
@@ -117,6 +121,22 @@ func encodeLineages(ls []compaction.Lineage) []byte {
 			b = binary.AppendVarint(b, int64(s.Ask))
 			b = binary.AppendUvarint(b, uint64(len(s.Text)))
 			b = append(b, s.Text...)
+		}
+		if ps := st.Pending; ps != nil {
+			var pf byte
+			if ps.Ack {
+				pf |= flagAck
+			}
+			if ps.AskInline {
+				pf |= flagAskInline
+			}
+			b = append(b, pf)
+			b = binary.AppendUvarint(b, uint64(ps.Cut))
+			b = append(b, ps.Head[:]...)
+			b = binary.AppendUvarint(b, uint64(ps.Lead))
+			b = binary.AppendVarint(b, int64(ps.Ask))
+			b = binary.AppendUvarint(b, uint64(len(ps.Text)))
+			b = append(b, ps.Text...)
 		}
 		if len(st.Drops) > 0 {
 			b = binary.AppendUvarint(b, uint64(len(st.Drops)))
@@ -169,6 +189,16 @@ func decodeLineages(b []byte) ([]compaction.Lineage, error) {
 			s.Ask = int(r.varint())
 			s.Text = string(r.bytes(int(r.uvarint())))
 			st.Summary = s
+		}
+		if f&flagPending != 0 {
+			pf := r.byte()
+			ps := &compaction.Summary{Ack: pf&flagAck != 0, AskInline: pf&flagAskInline != 0}
+			ps.Cut = int(r.uvarint())
+			r.digest(&ps.Head)
+			ps.Lead = int(r.uvarint())
+			ps.Ask = int(r.varint())
+			ps.Text = string(r.bytes(int(r.uvarint())))
+			st.Pending = ps
 		}
 		if f&flagDrop != 0 {
 			nd := r.count(1 << 10)

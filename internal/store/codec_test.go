@@ -1,0 +1,35 @@
+package store
+
+import (
+	"reflect"
+	"testing"
+	"time"
+
+	"github.com/compactproxy/compactproxy/internal/anchor"
+	"github.com/compactproxy/compactproxy/internal/compaction"
+)
+
+// Every field of a lineage and of an anchor survives the binary encoding.
+func TestCodecRoundTrip(t *testing.T) {
+	var d1, d2, d3 anchor.Digest
+	d1[0], d2[5], d3[31] = 1, 2, 3
+	ls := []compaction.Lineage{{
+		ID: 42, TipLen: 90, Tip: d1, Gen: 7, Used: 1700000000,
+		State: compaction.State{
+			Summary:    &compaction.Summary{Cut: 30, Head: d2, Lead: 1, Text: "summary é", Ack: true, Ask: 12},
+			Pending:    &compaction.Summary{Cut: 60, Head: d3, Lead: 1, Text: "pending", AskInline: true, Ask: 41},
+			Trims:      []compaction.Trim{{Index: 33, Prefix: d1, Keep: 2048}},
+			Drops:      []compaction.Drop{{From: 31, To: 35, Prefix: d2}, {From: 36, To: 50, Prefix: d3}},
+			Latched:    true,
+			LatchCount: 64, LastAttempt: time.Unix(0, 1700000000123456789), LastAttemptCount: 64,
+		},
+	}}
+	got, err := decodeLineages(encodeLineages(ls))
+	if err != nil || !reflect.DeepEqual(got, ls) {
+		t.Fatalf("lineages round trip: %v\n got %+v\nwant %+v", err, got, ls)
+	}
+	as := []anchor.Anchor{{PrefixLen: 90, Prefix: d1, Input: 5000, Output: 30, At: 1700000000, Local: 3100}}
+	if got, err := decodeAnchors(encodeAnchors(as)); err != nil || !reflect.DeepEqual(got, as) {
+		t.Fatalf("anchors round trip: %v %+v", err, got)
+	}
+}
