@@ -15,6 +15,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 )
 
 // stepHeader is sent by the scripted agent on every request; compactproxy
@@ -33,6 +34,26 @@ type upstreamCall struct {
 	// ProxyErr is the recorder's own error talking to llama-server.
 	ProxyErr string
 	resp     *lockedBuffer
+	// start and end: the request arrived; its answer was read to the end
+	// or closed (zero = still running).
+	start, end time.Time
+}
+
+// closeRecorder notes when compactproxy finished with an answer.
+type closeRecorder struct {
+	io.Reader
+	body io.Closer
+	r    *recorder
+	c    *upstreamCall
+}
+
+func (b closeRecorder) Close() error {
+	b.r.mu.Lock()
+	if b.c.end.IsZero() {
+		b.c.end = time.Now()
+	}
+	b.r.mu.Unlock()
+	return b.body.Close()
 }
 
 // reported is what llama-server said about one call.
@@ -77,7 +98,7 @@ func newRecorder(t *testing.T, target string) *recorder {
 		ErrorHandler: func(w http.ResponseWriter, req *http.Request, err error) {
 			if c, _ := req.Context().Value(callKey{}).(*upstreamCall); c != nil {
 				r.mu.Lock()
-				c.Status, c.ProxyErr = http.StatusBadGateway, err.Error()
+				c.Status, c.ProxyErr, c.end = http.StatusBadGateway, err.Error(), time.Now()
 				r.mu.Unlock()
 			}
 			w.WriteHeader(http.StatusBadGateway)
@@ -90,10 +111,7 @@ func newRecorder(t *testing.T, target string) *recorder {
 			r.mu.Lock()
 			c.Status = resp.StatusCode
 			r.mu.Unlock()
-			resp.Body = struct {
-				io.Reader
-				io.Closer
-			}{io.TeeReader(resp.Body, c.resp), resp.Body}
+			resp.Body = closeRecorder{io.TeeReader(resp.Body, c.resp), resp.Body, r, c}
 			return nil
 		},
 	}
@@ -113,7 +131,7 @@ func (r *recorder) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 		return
 	}
 	req.Body = io.NopCloser(bytes.NewReader(body))
-	c := &upstreamCall{Body: body, resp: &lockedBuffer{}, Kind: "summarize", Step: int(r.step.Load())}
+	c := &upstreamCall{Body: body, resp: &lockedBuffer{}, Kind: "summarize", Step: int(r.step.Load()), start: time.Now()}
 	if s := req.Header.Get(stepHeader); s != "" {
 		c.Kind = "forward"
 		c.Step, _ = strconv.Atoi(s)
@@ -123,6 +141,11 @@ func (r *recorder) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 	r.calls = append(r.calls, c)
 	r.mu.Unlock()
 	r.rp.ServeHTTP(w, req.WithContext(context.WithValue(req.Context(), callKey{}, c)))
+	r.mu.Lock()
+	if c.end.IsZero() {
+		c.end = time.Now()
+	}
+	r.mu.Unlock()
 }
 
 // snapshot returns the calls so far; call it when no request is in flight.
