@@ -95,6 +95,11 @@ func newRecorder(t *testing.T, target string) *recorder {
 			pr.Out.Host = u.Host
 		},
 		FlushInterval: -1, // SSE: every event at once, as compactproxy flushes
+		// llama-server closes an idle keep-alive connection after 5 s
+		// (Keep-Alive: timeout=5), and a POST sent on it as it closes fails
+		// with EOF (Go does not resend a POST): the recorder would answer 502
+		// for a request llama-server never saw. One connection per request.
+		Transport: &http.Transport{DisableKeepAlives: true},
 		ErrorHandler: func(w http.ResponseWriter, req *http.Request, err error) {
 			if c, _ := req.Context().Value(callKey{}).(*upstreamCall); c != nil {
 				r.mu.Lock()
