@@ -150,7 +150,7 @@ func TestLlamaAgentLoop(t *testing.T) {
 	}
 	start := time.Now()
 	configs := matrix(env)
-	b := newBudget(t, len(configs))
+	b := newBudget(t, configs)
 	for _, cfg := range configs {
 		deadline := b.next()
 		t.Run(cfg.name, func(t *testing.T) {
@@ -273,15 +273,16 @@ func runLoop(t *testing.T, env llamaEnv, cfg llamaConfig, bin string, ws []wsFil
 }
 
 // budget shares LLAMA_BUDGET (a Go duration, default 170s: make test's
-// share for these tests is 3 minutes) among the configurations: each gets
-// what is left divided by the configurations left, so time a quick one
-// does not use rolls over; never past half the test binary's own deadline.
+// share for these tests is 3 minutes) among the configurations in
+// proportion to their context size (a step costs llama-server about
+// linearly more at a larger window, or worse); what a quick one leaves
+// rolls over to the next. Never past half the test binary's own deadline.
 type budget struct {
 	end  time.Time
-	left int
+	left []int // contexts of the configurations still to run
 }
 
-func newBudget(t *testing.T, configs int) *budget {
+func newBudget(t *testing.T, configs []llamaConfig) *budget {
 	t.Helper()
 	d := 170 * time.Second
 	if s := os.Getenv("LLAMA_BUDGET"); s != "" {
@@ -294,13 +295,21 @@ func newBudget(t *testing.T, configs int) *budget {
 	if dl, ok := t.Deadline(); ok {
 		d = min(d, time.Until(dl)/2)
 	}
-	return &budget{end: time.Now().Add(d), left: configs}
+	b := &budget{end: time.Now().Add(d)}
+	for _, c := range configs {
+		b.left = append(b.left, c.ctx)
+	}
+	return b
 }
 
 // next is the deadline of the next configuration's loop.
 func (b *budget) next() time.Time {
-	share := time.Until(b.end) / time.Duration(max(b.left, 1))
-	b.left--
+	total := 0
+	for _, c := range b.left {
+		total += c
+	}
+	share := time.Until(b.end) * time.Duration(b.left[0]) / time.Duration(max(total, 1))
+	b.left = b.left[1:]
 	return time.Now().Add(share)
 }
 
