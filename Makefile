@@ -32,6 +32,15 @@ run:
 e2e-deps:
 	./scripts/e2e-deps.sh
 
+# test/llama runs compactproxy against a real llama-server. CI (and any
+# checkout with ../shared/llama beside it) gets the binary, model and chat
+# templates from there; elsewhere set LLAMA_SERVER_BIN / LLAMA_MODEL
+# (README, "Tests against a real llama-server"), else those tests skip.
+LLAMA_DIR ?= ../shared/llama
+export LLAMA_SERVER_BIN ?= $(abspath $(wildcard $(LLAMA_DIR)/llama-server))
+export LLAMA_MODEL ?= $(abspath $(wildcard $(LLAMA_DIR)/models/stories260K.gguf))
+export LLAMA_TEMPLATES_DIR ?= $(abspath $(wildcard $(LLAMA_DIR)/templates))
+
 # Installs the real-agent test's agent CLI (the pi coding agent, from
 # test/agent/package-lock.json); test/agent drives it through the binary.
 agent-deps:

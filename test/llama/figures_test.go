@@ -1,0 +1,543 @@
+package llama
+
+import (
+	"encoding/json"
+	"fmt"
+	"math"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/compactproxy/compactproxy/internal/pairing"
+)
+
+// The figures of issue 8's "Done when", per configuration, and how each is
+// defined when the issue leaves it open:
+//
+//   - non-200: client-visible answers other than 200 (and streams that did
+//     not end with [DONE] or carried an error event).
+//   - summary made then reused: a step answered X-Compactproxy-Compaction
+//     summarized, and a later step answered reused.
+//   - drop while the summarizer works: with summarize_total{failure} = 0, any
+//     step answered dropped.
+//   - instruction verbatim: every request forwarded to llama-server (every
+//     attempt, retries included) holds a user message whose text equals the
+//     newest user message the client sent; a step answered dropped must also
+//     hold the first user message (the original ask). A summary view carries
+//     the original ask inside the summary, so it is not required there.
+//   - summarize fits: every summarize request's prompt, counted exactly with
+//     llama-server's /apply-template + /tokenize, is < n_ctx, and none was
+//     answered 400 (exceed_context_size_error or otherwise).
+//   - anchored error: steps with Context-Source anchor and no new compaction
+//     (Forwarded-Tokens = Context-Tokens and not summarized): mean of
+//     |Forwarded-Tokens − prompt_tokens| ÷ prompt_tokens, prompt_tokens being
+//     what llama-server reported for that very forwarded request.
+//   - fresh error: the same for steps whose view was compacted now
+//     (summarized, or Forwarded-Tokens ≠ Context-Tokens).
+//   - local error (not a goal, shown): no new compaction, Context-Source local.
+//   - cache reuse: over the forwarded requests of steps 2–40 that reported
+//     usage (a refused request reports none: n shows how many counted),
+//     Σ cached_tokens ÷ Σ prompt_tokens (summarize calls excluded; their own
+//     ratio is shown apart).
+
+// stepFigures is one row of the per-step table.
+type stepFigures struct {
+	clientStep
+	attempts     int    // forwarded requests for this step (2 = a retry)
+	attStatus    string // their statuses, e.g. "503,200"
+	summarizes   int    // summarize calls that began during this step
+	fwdMsgs      int
+	fwdBytes     int
+	rep          reported // of the last forwarded attempt
+	class        string   // anchored, fresh, local, "" (no figure)
+	errPct       float64  // (forwarded − prompt_tokens) ÷ prompt_tokens × 100, signed
+	latestOK     bool
+	firstOK      bool // first user message present
+	finalOK      bool // the client's last message is the forwarded last message
+	pairingIssue string
+}
+
+// summarizeFigures is one summarize call.
+type summarizeFigures struct {
+	seq, step      int
+	status         int
+	measured       int // /apply-template + /tokenize
+	reported       reported
+	maxTokens      int
+	messages       int
+	bytes          int
+	measureErr     string
+	hasTools       bool
+	lastRoleIsUser bool
+	dur            time.Duration
+}
+
+type figures struct {
+	cfg      llamaConfig
+	nCtx     int
+	duration time.Duration
+	rows     []stepFigures
+	sums     []summarizeFigures
+	metrics  map[string]float64
+
+	non200, badStreams    int
+	actions               map[string]int
+	firstSummarized       int // step, 0 = none
+	firstReusedAfter      int // step of the first reused after firstSummarized, 0 = none
+	drops                 int
+	sumSuccess, sumFail   float64 // metrics
+	sumOverWindow, sum400 int
+	sumMaxMeasured        int
+	latestMissing         []int
+	firstMissing          []int
+	finalMoved            []int
+	pairingBad            []int
+	anchoredN, freshN     int
+	localN                int
+	anchoredMAE, freshMAE float64
+	localMAE              float64
+	cacheReuse            float64
+	sumCached, sumPrompt  int
+	cacheSteps            int // forwarded requests the cache figure covers
+	sumCacheReuse         float64
+	forwards, summarizes  int
+	overflowRetries       int
+	toolsTokens           int // what the tools array adds to a prompt (exact)
+	baseTokens            int // system prompt + first task, no tools
+	resultBytes           int
+	resultTokens          int
+}
+
+// fwdMessage is the part of a forwarded message the checks read.
+type fwdMessage struct {
+	Role       string          `json:"role"`
+	Content    json.RawMessage `json:"content"`
+	ToolCallID *string         `json:"tool_call_id"`
+	ToolCalls  []struct {
+		ID       *string `json:"id"`
+		Function struct {
+			Name string `json:"name"`
+		} `json:"function"`
+	} `json:"tool_calls"`
+}
+
+func (m fwdMessage) text() string {
+	var s string
+	if json.Unmarshal(m.Content, &s) == nil {
+		return s
+	}
+	var parts []textPart
+	if json.Unmarshal(m.Content, &parts) == nil {
+		var b strings.Builder
+		for _, p := range parts {
+			b.WriteString(p.Text)
+		}
+		return b.String()
+	}
+	return ""
+}
+
+type fwdBody struct {
+	Messages            []fwdMessage      `json:"messages"`
+	Tools               []json.RawMessage `json:"tools"`
+	MaxTokens           int               `json:"max_tokens"`
+	MaxCompletionTokens int               `json:"max_completion_tokens"`
+}
+
+func pairingOf(msgs []fwdMessage) []pairing.Message {
+	out := make([]pairing.Message, len(msgs))
+	for i, m := range msgs {
+		pm := pairing.Message{Role: m.Role}
+		if m.ToolCallID != nil {
+			pm.ToolCallID, pm.HasToolCallID = *m.ToolCallID, true
+		}
+		for _, c := range m.ToolCalls {
+			pc := pairing.Call{Name: c.Function.Name}
+			if c.ID != nil {
+				pc.ID, pc.HasID = *c.ID, true
+			}
+			pm.Calls = append(pm.Calls, pc)
+		}
+		out[i] = pm
+	}
+	return out
+}
+
+func hasUser(msgs []fwdMessage, text string) bool {
+	for _, m := range msgs {
+		if m.Role == "user" && m.text() == text {
+			return true
+		}
+	}
+	return false
+}
+
+func computeFigures(t *testing.T, cfg llamaConfig, ls *llamaServer, cs []clientStep, calls []*upstreamCall,
+	metrics map[string]float64, tools []json.RawMessage, script []scriptStep, final []message) *figures {
+	t.Helper()
+	f := &figures{cfg: cfg, nCtx: ls.nCtx, metrics: metrics, actions: map[string]int{}}
+	byStep := map[int][]*upstreamCall{}
+	sumsByStep := map[int]int{}
+	for _, c := range calls {
+		if c.Kind == "forward" {
+			byStep[c.Step] = append(byStep[c.Step], c)
+			f.forwards++
+		} else {
+			sumsByStep[c.Step]++
+			f.summarizes++
+		}
+	}
+	lastClient := func(i int) message { // the client's last message at step i
+		return final[cs[i].clientMsgs-1]
+	}
+	var sumCachedS, sumPromptS int
+	var anchored, fresh, local []float64
+	for i, st := range cs {
+		r := stepFigures{clientStep: st, summarizes: sumsByStep[st.n], latestOK: true, firstOK: true, finalOK: true}
+		f.actions[st.action]++
+		if st.status != 200 {
+			f.non200++
+		} else if !st.streamOK {
+			f.badStreams++
+		}
+		atts := byStep[st.n]
+		r.attempts = len(atts)
+		if len(atts) > 1 {
+			f.overflowRetries += len(atts) - 1
+		}
+		for k, c := range atts {
+			if k > 0 {
+				r.attStatus += ","
+			}
+			r.attStatus += fmt.Sprint(c.Status)
+			if c.ProxyErr != "" {
+				r.attStatus += "(" + c.ProxyErr + ")"
+			}
+			var b fwdBody
+			if err := json.Unmarshal(c.Body, &b); err != nil {
+				r.pairingIssue = "unparsable body"
+				continue
+			}
+			if !hasUser(b.Messages, st.latest) {
+				r.latestOK = false
+			}
+			if st.action == "dropped" && !hasUser(b.Messages, firstTask) {
+				r.firstOK = false
+			}
+			if vs := pairing.Check(pairingOf(b.Messages)); len(vs) > 0 {
+				r.pairingIssue = fmt.Sprintf("%s at %d", vs[0].Kind, vs[0].Index)
+			}
+			if n := len(b.Messages); n > 0 {
+				want := lastClient(i)
+				got := b.Messages[n-1]
+				wantText, _ := want.Content.(string)
+				if parts, ok := want.Content.([]textPart); ok {
+					wantText = parts[0].Text
+				}
+				if got.Role != want.Role || got.text() != wantText {
+					r.finalOK = false
+				}
+			}
+			rep := parseReported(c.resp.Bytes())
+			if st.n >= 2 && rep.PromptTokens > 0 {
+				f.sumPrompt += rep.PromptTokens
+				cached := rep.CachedTokens
+				if cached < 0 {
+					cached = max(rep.CacheN, 0)
+				}
+				f.sumCached += cached
+				f.cacheSteps++
+			}
+			if k == len(atts)-1 {
+				r.rep = rep
+				r.fwdMsgs = len(b.Messages)
+				r.fwdBytes = len(c.Body)
+			}
+		}
+		if !r.latestOK {
+			f.latestMissing = append(f.latestMissing, st.n)
+		}
+		if !r.firstOK {
+			f.firstMissing = append(f.firstMissing, st.n)
+		}
+		if !r.finalOK {
+			f.finalMoved = append(f.finalMoved, st.n)
+		}
+		if r.pairingIssue != "" {
+			f.pairingBad = append(f.pairingBad, st.n)
+		}
+		if st.status == 200 && r.rep.PromptTokens > 0 && st.forwarded > 0 {
+			e := float64(st.forwarded-r.rep.PromptTokens) / float64(r.rep.PromptTokens) * 100
+			r.errPct = e
+			isNew := st.action == "summarized" || st.forwarded != st.context
+			switch {
+			case isNew:
+				r.class = "fresh"
+				fresh = append(fresh, math.Abs(e))
+			case st.source == "anchor":
+				r.class = "anchored"
+				anchored = append(anchored, math.Abs(e))
+			default:
+				r.class = "local"
+				local = append(local, math.Abs(e))
+			}
+		}
+		if st.action == "summarized" && f.firstSummarized == 0 {
+			f.firstSummarized = st.n
+		}
+		if st.action == "reused" && f.firstSummarized > 0 && f.firstReusedAfter == 0 {
+			f.firstReusedAfter = st.n
+		}
+		if st.action == "dropped" {
+			f.drops++
+		}
+		f.rows = append(f.rows, r)
+	}
+	f.anchoredN, f.anchoredMAE = len(anchored), mean(anchored)
+	f.freshN, f.freshMAE = len(fresh), mean(fresh)
+	f.localN, f.localMAE = len(local), mean(local)
+	if f.sumPrompt > 0 {
+		f.cacheReuse = float64(f.sumCached) / float64(f.sumPrompt)
+	}
+
+	for _, c := range calls {
+		if c.Kind != "summarize" {
+			continue
+		}
+		var b fwdBody
+		json.Unmarshal(c.Body, &b)
+		s := summarizeFigures{seq: c.Seq, step: c.Step, status: c.Status, reported: parseReported(c.resp.Bytes()),
+			maxTokens: max(b.MaxTokens, b.MaxCompletionTokens), messages: len(b.Messages), bytes: len(c.Body), hasTools: len(b.Tools) > 0,
+			dur: c.end.Sub(c.start)}
+		if n := len(b.Messages); n > 0 {
+			s.lastRoleIsUser = b.Messages[n-1].Role == "user"
+		}
+		n, err := ls.countTokens(c.Body)
+		if err != nil {
+			s.measureErr = err.Error()
+		}
+		s.measured = n
+		if s.measured >= ls.nCtx || (s.measured == 0 && s.reported.NPromptTokens >= ls.nCtx) {
+			f.sumOverWindow++
+		}
+		if c.Status == 400 {
+			f.sum400++
+		}
+		f.sumMaxMeasured = max(f.sumMaxMeasured, s.measured)
+		if s.reported.PromptTokens > 0 {
+			sumPromptS += s.reported.PromptTokens
+			sumCachedS += max(s.reported.CachedTokens, 0)
+		}
+		f.sums = append(f.sums, s)
+	}
+	if sumPromptS > 0 {
+		f.sumCacheReuse = float64(sumCachedS) / float64(sumPromptS)
+	}
+	f.sumSuccess = metrics[`compactproxy_summarize_total{result="success"}`]
+	f.sumFail = metrics[`compactproxy_summarize_total{result="failure"}`]
+
+	// What the fixed part costs with this template, and this tokenizer's
+	// bytes per token on the tool results.
+	base := []message{{Role: "system", Content: systemPrompt}, {Role: "user", Content: firstTask}}
+	withTools, _ := json.Marshal(map[string]any{"messages": base, "tools": tools})
+	without, _ := json.Marshal(map[string]any{"messages": base})
+	a, errA := ls.countTokens(withTools)
+	b, errB := ls.countTokens(without)
+	if errA != nil || errB != nil {
+		t.Errorf("counting the fixed part: %v %v", errA, errB)
+	}
+	f.toolsTokens, f.baseTokens = a-b, b
+	for _, s := range script {
+		for _, r := range s.results {
+			text, _ := r.Content.(string)
+			if parts, ok := r.Content.([]textPart); ok {
+				text = parts[0].Text
+			}
+			n, err := ls.countText(text)
+			if err != nil {
+				t.Errorf("tokenize: %v", err)
+				break
+			}
+			f.resultBytes += len(text)
+			f.resultTokens += n
+		}
+	}
+	return f
+}
+
+func mean(xs []float64) float64 {
+	if len(xs) == 0 {
+		return math.NaN()
+	}
+	var s float64
+	for _, x := range xs {
+		s += x
+	}
+	return s / float64(len(xs))
+}
+
+func pct(x float64) string {
+	if math.IsNaN(x) {
+		return "n/a"
+	}
+	return fmt.Sprintf("%.1f%%", x)
+}
+
+func ints(xs []int) string {
+	if len(xs) == 0 {
+		return "none"
+	}
+	s := make([]string, len(xs))
+	for i, x := range xs {
+		s[i] = fmt.Sprint(x)
+	}
+	return strings.Join(s, ",")
+}
+
+// render is the table the coordinator quotes.
+func (f *figures) render() string {
+	var b strings.Builder
+	w := func(format string, args ...any) { fmt.Fprintf(&b, format+"\n", args...) }
+	tmpl := templateName(f.cfg.template)
+	window := "discovered (/props)"
+	if f.cfg.configured {
+		window = fmt.Sprintf("upstream.context_window=%d", f.cfg.ctx)
+	}
+	w("=== %s: llama-server -c %d (n_ctx %d), template %s, window %s; %d steps in %v", f.cfg.name, f.cfg.ctx, f.nCtx, tmpl, window, len(f.rows), f.duration.Round(time.Millisecond))
+	w("fixed part: system+task %d tokens, tools array +%d tokens (%d tools); tool results %d bytes / %d tokens = %.2f bytes/token",
+		f.baseTokens, f.toolsTokens, len(toolsFor(f.cfg.ctx)), f.resultBytes, f.resultTokens, float64(f.resultBytes)/math.Max(1, float64(f.resultTokens)))
+	var acts []string
+	for k, v := range f.actions {
+		acts = append(acts, fmt.Sprintf("%s=%d", k, v))
+	}
+	sort.Strings(acts)
+	w("upstream chat POSTs: %d forwarded (%d overflow retries), %d summarize", f.forwards, f.overflowRetries, f.summarizes)
+	w("%-50s %-20s %s", "figure", "value", "goal")
+	row := func(name, value, goal string, ok bool) {
+		mark := "ok"
+		if !ok {
+			mark = "FAIL"
+		}
+		w("%-50s %-20s %s  %s", name, value, goal, mark)
+	}
+	row("non-200 answers (bad streams)", fmt.Sprintf("%d (%d)", f.non200, f.badStreams), "0", f.non200 == 0 && f.badStreams == 0)
+	row("actions (X-Compactproxy-Compaction)", strings.Join(acts, " "), "", true)
+	row("first summarized step / first reuse after", fmt.Sprintf("%d / %d", f.firstSummarized, f.firstReusedAfter), "both > 0", f.firstSummarized > 0 && f.firstReusedAfter > 0)
+	row("summarize_total success / failure", fmt.Sprintf("%.0f / %.0f", f.sumSuccess, f.sumFail), "", true)
+	row("dropped steps", fmt.Sprint(f.drops), "0 while failure=0", !(f.sumFail == 0 && f.drops > 0))
+	row("steps missing latest instruction", ints(f.latestMissing), "none", len(f.latestMissing) == 0)
+	row("dropped steps missing the original ask", ints(f.firstMissing), "none", len(f.firstMissing) == 0)
+	row("summarize requests: max tokens / over n_ctx", fmt.Sprintf("%d / %d", f.sumMaxMeasured, f.sumOverWindow), fmt.Sprintf("< %d / 0", f.nCtx), f.sumOverWindow == 0)
+	row("summarize requests answered 400", fmt.Sprint(f.sum400), "0", f.sum400 == 0)
+	row(fmt.Sprintf("anchored estimate mean |err| (n=%d)", f.anchoredN), pct(f.anchoredMAE), "<= 5%", f.anchoredN > 0 && f.anchoredMAE <= 5)
+	row(fmt.Sprintf("fresh compacted view mean |err| (n=%d)", f.freshN), pct(f.freshMAE), "<= 10%", f.freshN == 0 || f.freshMAE <= 10)
+	row(fmt.Sprintf("local unanchored mean |err| (n=%d)", f.localN), pct(f.localMAE), "(shown)", true)
+	row(fmt.Sprintf("cache reuse Σcached/Σprompt, steps 2-40 (n=%d)", f.cacheSteps), fmt.Sprintf("%.3f (%d/%d)", f.cacheReuse, f.sumCached, f.sumPrompt), ">= 0.8", f.cacheReuse >= 0.8)
+	row("summarize calls' own cache reuse", fmt.Sprintf("%.3f", f.sumCacheReuse), "(shown)", true)
+	row("forwarded views failing strict pairing", ints(f.pairingBad), "none", len(f.pairingBad) == 0)
+	row("steps whose final message moved", ints(f.finalMoved), "none", len(f.finalMoved) == 0)
+	var ms []string
+	for k, v := range f.metrics {
+		if strings.Contains(k, "compactions_total") || strings.Contains(k, "summarize") || strings.Contains(k, "latch") ||
+			strings.Contains(k, "retries") || strings.Contains(k, "invariant") || strings.Contains(k, "unknown_window") ||
+			strings.Contains(k, "impossible") || strings.Contains(k, "errors_total") || strings.Contains(k, `route="chat"`) {
+			if v != 0 {
+				ms = append(ms, fmt.Sprintf("%s %g", strings.TrimPrefix(k, "compactproxy_"), v))
+			}
+		}
+	}
+	sort.Strings(ms)
+	w("metrics (non-zero): %s", strings.Join(ms, "; "))
+	w("step  strm  max_tok  cmsg  fmsg  status  action      src     ctx_tok  fwd_tok  prompt  cached  p_n   c_n   err%%   class     att  sum  ms     latest")
+	for _, r := range f.rows {
+		strm := "-"
+		if r.shape.stream {
+			strm = "s"
+			if r.shape.includeUsage {
+				strm = "su"
+			}
+		}
+		lat := "ok"
+		if !r.latestOK {
+			lat = "MISSING"
+		}
+		extra := ""
+		if r.pairingIssue != "" {
+			extra += " pairing:" + r.pairingIssue
+		}
+		if r.attempts > 1 {
+			extra += " attempts:" + r.attStatus
+		}
+		if r.rep.ErrType != "" {
+			extra += fmt.Sprintf(" upstream:%s n_prompt=%d n_ctx=%d", r.rep.ErrType, r.rep.NPromptTokens, r.rep.NCtx)
+		} else if r.status != 200 {
+			extra += " " + strings.ReplaceAll(r.errText[:min(len(r.errText), 160)], "\n", " ")
+		}
+		errs := "    -"
+		if r.class != "" {
+			errs = fmt.Sprintf("%+6.1f", r.errPct)
+		}
+		w("%4d  %-4s  %7d  %4d  %4d  %6d  %-10s  %-6s  %7d  %7d  %6d  %6d  %4d  %4d  %s  %-8s  %3d  %3d  %5d  %s%s",
+			r.n, strm, r.shape.maxTokens, r.clientMsgs, r.fwdMsgs, r.status, r.action, r.source, r.context, r.forwarded,
+			r.rep.PromptTokens, r.rep.CachedTokens, r.rep.PromptN, r.rep.CacheN, errs, r.class, r.attempts, r.summarizes, r.dur.Milliseconds(), lat, extra)
+	}
+	if len(f.sums) > 0 {
+		w("summarize calls:  seq  step  status  measured  reported  cached  max_tokens  generated  msgs  bytes  tools  last=user  ms")
+		for _, s := range f.sums {
+			w("                 %4d  %4d  %6d  %8d  %8d  %6d  %10d  %9d  %4d  %5d  %5v  %9v  %d %s",
+				s.seq, s.step, s.status, s.measured, s.reported.PromptTokens, s.reported.CachedTokens, s.maxTokens, s.reported.Completion,
+				s.messages, s.bytes, s.hasTools, s.lastRoleIsUser, s.dur.Milliseconds(), s.measureErr)
+		}
+	}
+	return b.String()
+}
+
+// assertGoals holds the engine to issue 8's "Done when".
+func (f *figures) assertGoals(t *testing.T) {
+	t.Helper()
+	if len(f.rows) < steps {
+		t.Errorf("the loop ran %d of %d steps within its time budget (a share of LLAMA_BUDGET; a machine this slow needs a larger one); the figures cover those", len(f.rows), steps)
+	}
+	if f.non200 > 0 {
+		t.Errorf("goal: 0 non-200 answers; got %d", f.non200)
+	}
+	if f.badStreams > 0 {
+		t.Errorf("goal: every stream ends with [DONE] and no error event; %d did not", f.badStreams)
+	}
+	if f.firstSummarized == 0 {
+		t.Errorf("goal: at least one summary made (X-Compactproxy-Compaction: summarized); none in %d steps (actions %v)", len(f.rows), f.actions)
+	} else if f.firstReusedAfter == 0 {
+		t.Errorf("goal: the summary made at step %d is reused later (X-Compactproxy-Compaction: reused); it never was", f.firstSummarized)
+	}
+	if f.sumFail == 0 && f.drops > 0 {
+		t.Errorf("goal: no drop while the summarizer works; summarize_total{failure}=0 but %d steps dropped", f.drops)
+	}
+	if len(f.latestMissing) > 0 {
+		t.Errorf("goal: every forwarded view holds the latest user instruction verbatim; missing at steps %s", ints(f.latestMissing))
+	}
+	if len(f.firstMissing) > 0 {
+		t.Errorf("goal: a drop never removes the original ask; missing at steps %s", ints(f.firstMissing))
+	}
+	if f.sumOverWindow > 0 || f.sum400 > 0 {
+		t.Errorf("goal: every summarize request fits the model's window (n_ctx %d); %d over it (largest %d tokens), %d answered 400",
+			f.nCtx, f.sumOverWindow, f.sumMaxMeasured, f.sum400)
+	}
+	if f.anchoredN == 0 {
+		t.Errorf("goal: anchored estimates within 5%%; no step had an anchored estimate without a new compaction")
+	} else if f.anchoredMAE > 5 {
+		t.Errorf("goal: anchored estimates within 5%% of the reported prompt_tokens; mean |error| %.1f%% over %d steps", f.anchoredMAE, f.anchoredN)
+	}
+	if f.freshN > 0 && f.freshMAE > 10 {
+		t.Errorf("goal: freshly compacted views within 10%% of the reported prompt_tokens; mean |error| %.1f%% over %d steps", f.freshMAE, f.freshN)
+	}
+	if f.cacheReuse < 0.8 {
+		t.Errorf("goal: cache reuse Σcached ÷ Σprompt after step 1 >= 0.8; got %.3f (%d/%d)", f.cacheReuse, f.sumCached, f.sumPrompt)
+	}
+	if len(f.pairingBad) > 0 {
+		t.Errorf("every forwarded view passes the strict pairing check; failed at steps %s", ints(f.pairingBad))
+	}
+	if len(f.finalMoved) > 0 {
+		t.Errorf("the client's final message stays final in the forwarded view; not at steps %s", ints(f.finalMoved))
+	}
+}

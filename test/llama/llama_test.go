@@ -1,0 +1,364 @@
+// Package llama runs the real compactproxy binary in front of a real
+// llama-server and drives a scripted 40-step agent loop through it, at
+// 2,048 and 4,096-token windows, with ChatML (no template file) and with
+// the Qwen2.5 template (which renders tools and tool calls). A recording
+// reverse proxy between compactproxy and llama-server keeps every request
+// that reached the model (forwarded client requests and summarize calls)
+// and the usage llama-server reported for it; the test computes the
+// figures of issue 8's "Done when" from them and asserts the goals.
+//
+// It needs LLAMA_SERVER_BIN and LLAMA_MODEL (and optionally LLAMA_TEMPLATE,
+// LLAMA_TEMPLATES_DIR, LLAMA_CONTEXTS, LLAMA_THREADS, LLAMA_BUDGET,
+// LLAMA_PROXY_ENV, LLAMA_REPORT);
+// without them it skips. `make test` sets them from ../shared/llama when it exists. See the
+// README, "Tests against a real llama-server".
+package llama
+
+import (
+	"bytes"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// qwenTemplate is the tool-rendering template the matrix takes from
+// LLAMA_TEMPLATES_DIR.
+const qwenTemplate = "Qwen-Qwen2.5-7B-Instruct.jinja"
+
+// llamaEnv is what the environment points at.
+type llamaEnv struct {
+	server, model string
+	templates     []string // "" = ChatML (llama-server's fallback, no file)
+	contexts      []int
+}
+
+// llamaConfig is one run of the loop.
+type llamaConfig struct {
+	name       string
+	ctx        int
+	template   string // file; "" = ChatML
+	configured bool   // upstream.context_window set (else discovered from /props)
+}
+
+// resolvePath takes a path as given, else relative to the repository root
+// (so `LLAMA_SERVER_BIN=../shared/llama/llama-server go test ./test/llama/`
+// works from the root as well as from the package directory).
+func resolvePath(t *testing.T, env, p string) string {
+	t.Helper()
+	if _, err := os.Stat(p); err == nil {
+		abs, _ := filepath.Abs(p)
+		return abs
+	}
+	if !filepath.IsAbs(p) {
+		q := filepath.Join(repoRoot(t), p)
+		if _, err := os.Stat(q); err == nil {
+			return q
+		}
+	}
+	t.Fatalf("%s=%s: no such file (give an absolute path or one relative to the repository root)", env, p)
+	return ""
+}
+
+func loadEnv(t *testing.T) llamaEnv {
+	t.Helper()
+	server, model := os.Getenv("LLAMA_SERVER_BIN"), os.Getenv("LLAMA_MODEL")
+	if server == "" || model == "" {
+		t.Skip("LLAMA_SERVER_BIN and LLAMA_MODEL are not set: these tests need a real llama-server binary and a GGUF model " +
+			"(make test sets them from ../shared/llama when it exists; see README, \"Tests against a real llama-server\")")
+	}
+	e := llamaEnv{server: resolvePath(t, "LLAMA_SERVER_BIN", server), model: resolvePath(t, "LLAMA_MODEL", model)}
+	e.templates = []string{""}
+	seen := map[string]bool{}
+	add := func(env, p string) {
+		p = resolvePath(t, env, p)
+		if !seen[p] {
+			seen[p] = true
+			e.templates = append(e.templates, p)
+		}
+	}
+	if p := os.Getenv("LLAMA_TEMPLATE"); p != "" {
+		add("LLAMA_TEMPLATE", p)
+	}
+	if d := os.Getenv("LLAMA_TEMPLATES_DIR"); d != "" {
+		add("LLAMA_TEMPLATES_DIR", filepath.Join(d, qwenTemplate))
+	}
+	cs := os.Getenv("LLAMA_CONTEXTS")
+	if cs == "" {
+		cs = "2048,4096"
+	}
+	for _, f := range strings.Split(cs, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || n < 512 {
+			t.Fatalf("LLAMA_CONTEXTS=%q: want comma-separated token counts >= 512", cs)
+		}
+		e.contexts = append(e.contexts, n)
+	}
+	return e
+}
+
+func templateName(p string) string {
+	if p == "" {
+		return "chatml"
+	}
+	return strings.TrimSuffix(filepath.Base(p), ".jinja")
+}
+
+// matrix: every context × every template, the window discovered from
+// /props as a sidecar user would; plus the smallest context with the last
+// template and upstream.context_window configured instead (the cheaper
+// one: the point is the other way of knowing the window).
+func matrix(e llamaEnv) []llamaConfig {
+	var out []llamaConfig
+	for _, c := range e.contexts {
+		for _, tp := range e.templates {
+			out = append(out, llamaConfig{name: fmt.Sprintf("%s-%d-discovered", templateName(tp), c), ctx: c, template: tp})
+		}
+	}
+	c, tp := e.contexts[0], e.templates[len(e.templates)-1]
+	out = append(out, llamaConfig{name: fmt.Sprintf("%s-%d-configured", templateName(tp), c), ctx: c, template: tp, configured: true})
+	return out
+}
+
+// TestLlamaAgentLoop is the matrix. Each configuration gets its own
+// llama-server, recorder and compactproxy; they run one after the other
+// (the machine has two cores).
+func TestLlamaAgentLoop(t *testing.T) {
+	if testing.Short() {
+		t.Skip("real llama-server test: skipped with -short")
+	}
+	env := loadEnv(t)
+	bin := buildBinary(t, repoRoot(t))
+	ws := loadWorkspace(t)
+
+	var mu sync.Mutex
+	var report strings.Builder
+	if path := os.Getenv("LLAMA_REPORT"); path != "" {
+		t.Cleanup(func() {
+			mu.Lock()
+			defer mu.Unlock()
+			if err := os.WriteFile(path, []byte(report.String()), 0o644); err != nil {
+				t.Errorf("LLAMA_REPORT: %v", err)
+			}
+		})
+	}
+	start := time.Now()
+	configs := matrix(env)
+	b := newBudget(t, configs)
+	for _, cfg := range configs {
+		deadline := b.next()
+		t.Run(cfg.name, func(t *testing.T) {
+			f := runLoop(t, env, cfg, bin, ws, deadline)
+			text := f.render()
+			t.Log("\n" + text)
+			mu.Lock()
+			report.WriteString(text + "\n")
+			mu.Unlock()
+			f.assertGoals(t)
+		})
+	}
+	t.Logf("matrix took %v", time.Since(start).Round(time.Millisecond))
+}
+
+// clientStep is what the agent saw for one step.
+type clientStep struct {
+	n          int
+	shape      requestShape
+	clientMsgs int
+	latest     string // newest user instruction in the history sent
+	status     int
+	streamOK   bool // SSE ended with [DONE] and no error event (or not a stream)
+	action     string
+	source     string
+	context    int
+	forwarded  int
+	dur        time.Duration
+	errText    string // on a non-200: the start of the body
+}
+
+func runLoop(t *testing.T, env llamaEnv, cfg llamaConfig, bin string, ws []wsFile, deadline time.Time) *figures {
+	t.Helper()
+	began := time.Now()
+	ls := startLlama(t, env, cfg)
+	rec := newRecorder(t, ls.url)
+	// LLAMA_PROXY_ENV: extra compactproxy settings for every configuration,
+	// space-separated KEY=value (e.g. to measure with another reserve).
+	extra := strings.Fields(os.Getenv("LLAMA_PROXY_ENV"))
+	if cfg.configured {
+		extra = append(extra, "COMPACTPROXY_UPSTREAM_CONTEXT_WINDOW="+strconv.Itoa(cfg.ctx))
+	}
+	proxy, purl := startProxy(t, bin, rec.srv.URL+"/v1", extra...)
+
+	tools := toolsFor(cfg.ctx)
+	script := buildScript(cfg.ctx, ws)
+	msgs := []message{{Role: "system", Content: systemPrompt}, {Role: "user", Content: firstTask}}
+	conv := fmt.Sprintf("llamatest-%s-%d", cfg.name, time.Now().UnixNano())
+	// The loop has a time budget, so that an engine that makes a slow call
+	// (a summary without an output limit generates until its timeout) ends
+	// in figures, not in go test's timeout. Past it the loop stops and the
+	// figures cover the steps that ran.
+	var cs []clientStep
+	for i := 1; i <= steps; i++ {
+		left := time.Until(deadline)
+		if left <= 0 {
+			break
+		}
+		hc := &http.Client{Timeout: left}
+		shape := shapeFor(i, cfg.ctx)
+		body := requestBody("stories260K", msgs, tools, shape)
+		st := clientStep{n: i, shape: shape, clientMsgs: len(msgs), latest: latestUser(msgs)}
+		rec.step.Store(int64(i))
+		req, _ := http.NewRequest(http.MethodPost, purl+"/v1/chat/completions", bytes.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Authorization", "Bearer sk-llamatest-not-a-real-key")
+		req.Header.Set("X-Compactproxy-Conversation", conv)
+		req.Header.Set(stepHeader, strconv.Itoa(i))
+		t0 := time.Now()
+		resp, err := hc.Do(req)
+		if err != nil && time.Now().After(deadline) {
+			t.Logf("step %d: stopped at the time budget: %v", i, err)
+			break
+		}
+		if err != nil {
+			t.Fatalf("step %d: %v\n%s", i, err, proxy.log.tail(4000))
+		}
+		rb, err := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		st.dur = time.Since(t0)
+		if err != nil {
+			st.errText = "reading the answer: " + err.Error()
+		}
+		st.status = resp.StatusCode
+		h := resp.Header
+		st.action = h.Get("X-Compactproxy-Compaction")
+		st.source = h.Get("X-Compactproxy-Context-Source")
+		st.context, _ = strconv.Atoi(h.Get("X-Compactproxy-Context-Tokens"))
+		st.forwarded, _ = strconv.Atoi(h.Get("X-Compactproxy-Forwarded-Tokens"))
+		st.streamOK = true
+		if shape.stream && st.status == http.StatusOK {
+			st.streamOK = bytes.Contains(rb, []byte("data: [DONE]")) && !bytes.Contains(rb, []byte(`data: {"error"`))
+		}
+		if st.status != http.StatusOK {
+			st.errText = string(rb[:min(len(rb), 300)])
+		}
+		cs = append(cs, st)
+
+		s := script[i-1]
+		msgs = append(msgs, s.assistant)
+		msgs = append(msgs, s.results...)
+		if s.user != "" {
+			msgs = append(msgs, message{Role: "user", Content: s.user})
+		}
+	}
+	// A background pre-summarization may still run: give it the time one
+	// summarize takes before reading the metrics.
+	waitIdle(rec, 10*time.Second)
+	metrics := scrapeMetrics(t, purl)
+	if err := proxy.stop(10 * time.Second); err != nil {
+		t.Logf("compactproxy stop: %v", err)
+	}
+	calls := rec.snapshot()
+	f := computeFigures(t, cfg, ls, cs, calls, metrics, tools, script, msgs)
+	f.duration = time.Since(began)
+	if f.non200 > 0 || len(f.pairingBad) > 0 {
+		t.Logf("compactproxy log (tail):\n%s", proxy.log.tail(6000))
+	}
+	return f
+}
+
+// budget shares LLAMA_BUDGET (a Go duration, default 170s: make test's
+// share for these tests is 3 minutes) among the configurations in
+// proportion to their context size (a step costs llama-server about
+// linearly more at a larger window, or worse); what a quick one leaves
+// rolls over to the next. Never past half the test binary's own deadline.
+type budget struct {
+	end  time.Time
+	left []int // contexts of the configurations still to run
+}
+
+func newBudget(t *testing.T, configs []llamaConfig) *budget {
+	t.Helper()
+	d := 170 * time.Second
+	if s := os.Getenv("LLAMA_BUDGET"); s != "" {
+		v, err := time.ParseDuration(s)
+		if err != nil || v <= 0 {
+			t.Fatalf("LLAMA_BUDGET=%q: want a positive Go duration", s)
+		}
+		d = v
+	}
+	if dl, ok := t.Deadline(); ok {
+		d = min(d, time.Until(dl)/2)
+	}
+	b := &budget{end: time.Now().Add(d)}
+	for _, c := range configs {
+		b.left = append(b.left, c.ctx)
+	}
+	return b
+}
+
+// next is the deadline of the next configuration's loop.
+func (b *budget) next() time.Time {
+	total := 0
+	for _, c := range b.left {
+		total += c
+	}
+	share := time.Until(b.end) * time.Duration(b.left[0]) / time.Duration(max(total, 1))
+	b.left = b.left[1:]
+	return time.Now().Add(share)
+}
+
+// waitIdle waits until the recorder has seen no new call for a moment and
+// every call has its answer.
+func waitIdle(rec *recorder, within time.Duration) {
+	deadline := time.Now().Add(within)
+	last := -1
+	for time.Now().Before(deadline) {
+		calls := rec.snapshot()
+		done := true
+		rec.mu.Lock()
+		for _, c := range calls {
+			if c.end.IsZero() {
+				done = false
+			}
+		}
+		rec.mu.Unlock()
+		if done && len(calls) == last {
+			return
+		}
+		last = len(calls)
+		time.Sleep(300 * time.Millisecond)
+	}
+}
+
+// scrapeMetrics reads compactproxy's /metrics (histogram buckets left out).
+func scrapeMetrics(t *testing.T, purl string) map[string]float64 {
+	t.Helper()
+	resp, err := plainClient.Get(purl + "/metrics")
+	if err != nil {
+		t.Errorf("metrics: %v", err)
+		return nil
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	out := map[string]float64{}
+	for _, line := range strings.Split(string(b), "\n") {
+		if !strings.HasPrefix(line, "compactproxy_") || strings.Contains(line, "_bucket{") {
+			continue
+		}
+		i := strings.LastIndexByte(line, ' ')
+		if i < 0 {
+			continue
+		}
+		v, err := strconv.ParseFloat(line[i+1:], 64)
+		if err == nil {
+			out[line[:i]] = v
+		}
+	}
+	return out
+}
