@@ -58,6 +58,29 @@ type stepFigures struct {
 	firstOK      bool // first user message present
 	finalOK      bool // the client's last message is the forwarded last message
 	pairingIssue string
+	view         string // the forwarded roles, one letter each (see viewString)
+}
+
+// viewString is a forwarded view in one letter per message: s system,
+// u user, a assistant (text), c assistant with tool calls, t tool; F marks
+// the first user message (the original ask), L the latest instruction.
+func viewString(msgs []fwdMessage, latest string) string {
+	var b strings.Builder
+	for _, m := range msgs {
+		switch {
+		case m.Role == "user" && m.text() == firstTask:
+			b.WriteByte('F')
+		case m.Role == "user" && m.text() == latest:
+			b.WriteByte('L')
+		case m.Role == "assistant" && len(m.ToolCalls) > 0:
+			b.WriteByte('c')
+		case m.Role == "":
+			b.WriteByte('?')
+		default:
+			b.WriteByte(m.Role[0])
+		}
+	}
+	return b.String()
 }
 
 // summarizeFigures is one summarize call.
@@ -256,6 +279,7 @@ func computeFigures(t *testing.T, cfg llamaConfig, ls *llamaServer, cs []clientS
 				r.rep = rep
 				r.fwdMsgs = len(b.Messages)
 				r.fwdBytes = len(c.Body)
+				r.view = viewString(b.Messages, st.latest)
 			}
 		}
 		if !r.latestOK {
@@ -453,7 +477,7 @@ func (f *figures) render() string {
 	}
 	sort.Strings(ms)
 	w("metrics (non-zero): %s", strings.Join(ms, "; "))
-	w("step  strm  max_tok  cmsg  fmsg  status  action      src     ctx_tok  fwd_tok  prompt  cached  p_n   c_n   err%%   class     att  sum  ms     latest")
+	w("step  strm  max_tok  cmsg  fmsg  status  action      src     ctx_tok  fwd_tok  prompt  cached  p_n   c_n   err%%   class     att  sum  ms     latest  view (s system, F first ask, L latest instruction, u user, a text, c calls, t tool)")
 	for _, r := range f.rows {
 		strm := "-"
 		if r.shape.stream {
@@ -482,9 +506,9 @@ func (f *figures) render() string {
 		if r.class != "" {
 			errs = fmt.Sprintf("%+6.1f", r.errPct)
 		}
-		w("%4d  %-4s  %7d  %4d  %4d  %6d  %-10s  %-6s  %7d  %7d  %6d  %6d  %4d  %4d  %s  %-8s  %3d  %3d  %5d  %s%s",
+		w("%4d  %-4s  %7d  %4d  %4d  %6d  %-10s  %-6s  %7d  %7d  %6d  %6d  %4d  %4d  %s  %-8s  %3d  %3d  %5d  %s%s  %s",
 			r.n, strm, r.shape.maxTokens, r.clientMsgs, r.fwdMsgs, r.status, r.action, r.source, r.context, r.forwarded,
-			r.rep.PromptTokens, r.rep.CachedTokens, r.rep.PromptN, r.rep.CacheN, errs, r.class, r.attempts, r.summarizes, r.dur.Milliseconds(), lat, extra)
+			r.rep.PromptTokens, r.rep.CachedTokens, r.rep.PromptN, r.rep.CacheN, errs, r.class, r.attempts, r.summarizes, r.dur.Milliseconds(), lat, extra, r.view)
 	}
 	if len(f.sums) > 0 {
 		w("summarize calls:  seq  step  status  measured  reported  cached  max_tokens  generated  msgs  bytes  tools  last=user  ms")
