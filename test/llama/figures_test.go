@@ -20,7 +20,9 @@ import (
 //   - summary made then reused: a step answered X-Compactproxy-Compaction
 //     summarized, and a later step answered reused.
 //   - drop while the summarizer works: with summarize_total{failure} = 0, any
-//     step answered dropped.
+//     step answered dropped, or compactions_total{action="dropped"} > 0 (a
+//     drop under a summary is answered reused: the header names the
+//     strongest action only).
 //   - instruction verbatim: every request forwarded to llama-server (every
 //     attempt, retries included) holds a user message whose text equals the
 //     newest user message the client sent; a step answered dropped must also
@@ -56,6 +58,29 @@ type stepFigures struct {
 	firstOK      bool // first user message present
 	finalOK      bool // the client's last message is the forwarded last message
 	pairingIssue string
+	view         string // the forwarded roles, one letter each (see viewString)
+}
+
+// viewString is a forwarded view in one letter per message: s system,
+// u user, a assistant (text), c assistant with tool calls, t tool; F marks
+// the first user message (the original ask), L the latest instruction.
+func viewString(msgs []fwdMessage, latest string) string {
+	var b strings.Builder
+	for _, m := range msgs {
+		switch {
+		case m.Role == "user" && m.text() == firstTask:
+			b.WriteByte('F')
+		case m.Role == "user" && m.text() == latest:
+			b.WriteByte('L')
+		case m.Role == "assistant" && len(m.ToolCalls) > 0:
+			b.WriteByte('c')
+		case m.Role == "":
+			b.WriteByte('?')
+		default:
+			b.WriteByte(m.Role[0])
+		}
+	}
+	return b.String()
 }
 
 // summarizeFigures is one summarize call.
@@ -83,9 +108,10 @@ type figures struct {
 
 	non200, badStreams    int
 	actions               map[string]int
-	firstSummarized       int // step, 0 = none
-	firstReusedAfter      int // step of the first reused after firstSummarized, 0 = none
-	drops                 int
+	firstSummarized       int     // step, 0 = none
+	firstReusedAfter      int     // step of the first reused after firstSummarized, 0 = none
+	drops                 int     // steps answered dropped
+	dropMetric            float64 // compactions_total{action="dropped"}: also drops under a summary (answered reused)
 	sumSuccess, sumFail   float64 // metrics
 	sumOverWindow, sum400 int
 	sumMaxMeasured        int
@@ -253,6 +279,7 @@ func computeFigures(t *testing.T, cfg llamaConfig, ls *llamaServer, cs []clientS
 				r.rep = rep
 				r.fwdMsgs = len(b.Messages)
 				r.fwdBytes = len(c.Body)
+				r.view = viewString(b.Messages, st.latest)
 			}
 		}
 		if !r.latestOK {
@@ -336,6 +363,7 @@ func computeFigures(t *testing.T, cfg llamaConfig, ls *llamaServer, cs []clientS
 	}
 	f.sumSuccess = metrics[`compactproxy_summarize_total{result="success"}`]
 	f.sumFail = metrics[`compactproxy_summarize_total{result="failure"}`]
+	f.dropMetric = metrics[`compactproxy_compactions_total{action="dropped"}`]
 
 	// What the fixed part costs with this template, and this tokenizer's
 	// bytes per token on the tool results.
@@ -425,7 +453,7 @@ func (f *figures) render() string {
 	row("actions (X-Compactproxy-Compaction)", strings.Join(acts, " "), "", true)
 	row("first summarized step / first reuse after", fmt.Sprintf("%d / %d", f.firstSummarized, f.firstReusedAfter), "both > 0", f.firstSummarized > 0 && f.firstReusedAfter > 0)
 	row("summarize_total success / failure", fmt.Sprintf("%.0f / %.0f", f.sumSuccess, f.sumFail), "", true)
-	row("dropped steps", fmt.Sprint(f.drops), "0 while failure=0", !(f.sumFail == 0 && f.drops > 0))
+	row("drops: steps answered dropped / compactions_total", fmt.Sprintf("%d / %.0f", f.drops, f.dropMetric), "0 while failure=0", !(f.sumFail == 0 && (f.drops > 0 || f.dropMetric > 0)))
 	row("steps missing latest instruction", ints(f.latestMissing), "none", len(f.latestMissing) == 0)
 	row("dropped steps missing the original ask", ints(f.firstMissing), "none", len(f.firstMissing) == 0)
 	row("summarize requests: max tokens / over n_ctx", fmt.Sprintf("%d / %d", f.sumMaxMeasured, f.sumOverWindow), fmt.Sprintf("< %d / 0", f.nCtx), f.sumOverWindow == 0)
@@ -449,7 +477,7 @@ func (f *figures) render() string {
 	}
 	sort.Strings(ms)
 	w("metrics (non-zero): %s", strings.Join(ms, "; "))
-	w("step  strm  max_tok  cmsg  fmsg  status  action      src     ctx_tok  fwd_tok  prompt  cached  p_n   c_n   err%%   class     att  sum  ms     latest")
+	w("step  strm  max_tok  cmsg  fmsg  status  action      src     ctx_tok  fwd_tok  prompt  cached  p_n   c_n   err%%   class     att  sum  ms     latest  view (s system, F first ask, L latest instruction, u user, a text, c calls, t tool)")
 	for _, r := range f.rows {
 		strm := "-"
 		if r.shape.stream {
@@ -478,9 +506,9 @@ func (f *figures) render() string {
 		if r.class != "" {
 			errs = fmt.Sprintf("%+6.1f", r.errPct)
 		}
-		w("%4d  %-4s  %7d  %4d  %4d  %6d  %-10s  %-6s  %7d  %7d  %6d  %6d  %4d  %4d  %s  %-8s  %3d  %3d  %5d  %s%s",
+		w("%4d  %-4s  %7d  %4d  %4d  %6d  %-10s  %-6s  %7d  %7d  %6d  %6d  %4d  %4d  %s  %-8s  %3d  %3d  %5d  %s%s  %s",
 			r.n, strm, r.shape.maxTokens, r.clientMsgs, r.fwdMsgs, r.status, r.action, r.source, r.context, r.forwarded,
-			r.rep.PromptTokens, r.rep.CachedTokens, r.rep.PromptN, r.rep.CacheN, errs, r.class, r.attempts, r.summarizes, r.dur.Milliseconds(), lat, extra)
+			r.rep.PromptTokens, r.rep.CachedTokens, r.rep.PromptN, r.rep.CacheN, errs, r.class, r.attempts, r.summarizes, r.dur.Milliseconds(), lat, extra, r.view)
 	}
 	if len(f.sums) > 0 {
 		w("summarize calls:  seq  step  status  measured  reported  cached  max_tokens  generated  msgs  bytes  tools  last=user  ms")
@@ -510,8 +538,8 @@ func (f *figures) assertGoals(t *testing.T) {
 	} else if f.firstReusedAfter == 0 {
 		t.Errorf("goal: the summary made at step %d is reused later (X-Compactproxy-Compaction: reused); it never was", f.firstSummarized)
 	}
-	if f.sumFail == 0 && f.drops > 0 {
-		t.Errorf("goal: no drop while the summarizer works; summarize_total{failure}=0 but %d steps dropped", f.drops)
+	if f.sumFail == 0 && (f.drops > 0 || f.dropMetric > 0) {
+		t.Errorf("goal: no drop while the summarizer works; summarize_total{failure}=0 but %d steps answered dropped, compactions_total{dropped}=%.0f", f.drops, f.dropMetric)
 	}
 	if len(f.latestMissing) > 0 {
 		t.Errorf("goal: every forwarded view holds the latest user instruction verbatim; missing at steps %s", ints(f.latestMissing))
