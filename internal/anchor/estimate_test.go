@@ -480,3 +480,38 @@ func TestEstimateViewConversationEvidence(t *testing.T) {
 		t.Errorf("estimate %+v, want the model fit %d", got, fit.Tokens(total))
 	}
 }
+
+// The messages after an anchor are scaled by the conversation's own
+// marginal rate when a shorter anchor of the same view exists: a fit
+// learned from one request folds the request's fixed cost (a tools array)
+// into its ratio.
+func TestEstimateViewMarginalRate(t *testing.T) {
+	seed := Seed("m", nil)
+	var msgs []chat.Message
+	for i := range 6 {
+		msgs = append(msgs, testMessage(t, fmt.Sprintf(`{"role":"user","content":"message %d with some words in it"}`, i)))
+	}
+	chain, local, err := ViewChain(seed, msgs, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sum := func(a, b int) (n int) {
+		for _, t := range local[a:b] {
+			n += t
+		}
+		return n
+	}
+	// Measured: 1000 for the first 2 messages, 1000 + 3 per local token of
+	// messages 2-3 for the first 4.
+	a2 := Anchor{PrefixLen: 2, Prefix: chain[2], Input: 1000, Local: sum(0, 2)}
+	a4 := Anchor{PrefixLen: 4, Prefix: chain[4], Input: 1000 + 3*sum(2, 4), Local: sum(0, 4)}
+	fit := Fit{Ratio: 4} // what one request with a large fixed part teaches
+	got := EstimateView(chain, local, []Anchor{a4, a2}, fit)
+	if want := a4.Input + 3*sum(4, 6); got.Tokens != want || got.Ratio != 3 {
+		t.Errorf("estimate %+v, want %d at the marginal rate 3", got, want)
+	}
+	// Without the shorter anchor: the fit's ratio.
+	if got := EstimateView(chain, local, []Anchor{a4}, fit); got.Tokens != a4.Input+4*sum(4, 6) {
+		t.Errorf("estimate %+v with one anchor, want the fit's ratio", got)
+	}
+}

@@ -175,6 +175,9 @@ func stateEnv(sumURL string, extra ...string) []string {
 		"COMPACTPROXY_COMPACTION_SUMMARIZER_URL=" + sumURL + "/v1",
 		"COMPACTPROXY_COMPACTION_SUMMARIZER_MAX_TOKENS=300",
 		"COMPACTPROXY_STORE_TENANT_SECRET=shared-by-the-replicas",
+		// Summaries made on the request path, so each one is a step the
+		// test can see (background summaries are tested in internal/proxy).
+		"COMPACTPROXY_COMPACTION_PRESUMMARIZE_RATIO=0",
 	}, extra...)
 }
 
