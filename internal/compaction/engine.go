@@ -322,7 +322,7 @@ type run struct {
 	reapplied map[int]int
 
 	newTrims, newSum, newDrop, pending bool
-	usedPending                         bool // a background summary was applied
+	usedPending                        bool // a background summary was applied
 }
 
 // Compact decides what to forward for one request (DESIGN.md § Compaction).
