@@ -30,6 +30,7 @@ type Metrics struct {
 	InvariantFailures   prometheus.Counter
 	UnknownWindow       prometheus.Counter
 	CompactionErrors    prometheus.Counter
+	StreamAborts        prometheus.Counter
 }
 
 // New registers the metrics on reg, plus the Go and process collectors.
@@ -73,6 +74,8 @@ func New(reg prometheus.Registerer) *Metrics {
 			Help: "Chat requests for a model whose context window is unknown (not compacted)."}),
 		CompactionErrors: f.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "compaction_errors_total",
 			Help: "Requests forwarded without compaction because compaction failed (fail open)."}),
+		StreamAborts: f.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "stream_aborts_total",
+			Help: "Upstream streams broken off and aborted to the client (no clean end)."}),
 	}
 	// Pre-create the fixed label values so dashboards see zeros.
 	for _, r := range []string{"hit", "miss"} {

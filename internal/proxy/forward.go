@@ -1,7 +1,7 @@
 package proxy
 
 import (
-	"context"
+	"encoding/json"
 	"errors"
 	"io"
 	"net/http"
@@ -47,9 +47,10 @@ func (s *Server) forwardChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 				ri.status = 499
 				return
 			}
-			s.log.Warn("upstream request failed", zap.String("request_id", ri.id), zap.Error(err))
-			writeError(w, http.StatusBadGateway, "upstream_error", "upstream_unreachable", "",
-				"compactproxy: the upstream could not be reached: "+errorClass(err))
+			f := classifyUpstream(err)
+			s.log.Warn("upstream request failed", zap.String("request_id", ri.id),
+				zap.String("upstream", s.chatLogURL), zap.String("error_class", f.code))
+			writeUpstreamFailure(w, f)
 			return
 		}
 		if resp.StatusCode >= 400 {
@@ -82,19 +83,6 @@ func (s *Server) forwardChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 	}
 }
 
-// errorClass describes an upstream transport error without leaking more
-// than needed.
-func errorClass(err error) string {
-	var de DialError
-	switch {
-	case errors.As(err, &de):
-		return "connection failed (" + de.Error() + ")"
-	case errors.Is(err, context.DeadlineExceeded):
-		return "timed out"
-	}
-	return err.Error()
-}
-
 func (s *Server) writeHeaders(w http.ResponseWriter, cr *chatRequest, up http.Header) {
 	h := w.Header()
 	copyResponseHeaders(h, up)
@@ -117,10 +105,13 @@ func (s *Server) relay(w http.ResponseWriter, r *http.Request, cr *chatRequest, 
 			f.Flush()
 		}
 		err := relayEvents(w, resp.Body, cr.inject, func(u anchor.Usage) { s.usage(cr, u) })
-		if err != nil && r.Context().Err() != nil {
+		var broken streamBroken
+		switch {
+		case err == nil:
+		case r.Context().Err() != nil || errors.Is(err, errClientGone):
 			ri.status = 499
-		} else if err != nil {
-			s.log.Warn("upstream stream ended with an error", zap.String("request_id", ri.id), zap.Error(err))
+		case errors.As(err, &broken):
+			s.abortStream(w, ri, classifyUpstream(broken.error))
 		}
 		return
 	}
@@ -130,8 +121,10 @@ func (s *Server) relay(w http.ResponseWriter, r *http.Request, cr *chatRequest, 
 			ri.status = 499
 			return
 		}
-		s.log.Warn("upstream body read failed", zap.String("request_id", ri.id), zap.Error(err))
-		writeError(w, http.StatusBadGateway, "upstream_error", "upstream_error", "", "compactproxy: the upstream answer was cut off")
+		f := classifyUpstream(err)
+		s.log.Warn("upstream body read failed", zap.String("request_id", ri.id),
+			zap.String("upstream", s.chatLogURL), zap.String("error_class", f.code))
+		writeError(w, http.StatusBadGateway, "upstream_error", f.code, "", "compactproxy: the upstream answer was cut off ("+f.text+")")
 		return
 	}
 	if u, ok := anchor.UsageFromJSON(body); ok {
@@ -139,6 +132,32 @@ func (s *Server) relay(w http.ResponseWriter, r *http.Request, cr *chatRequest, 
 	}
 	w.WriteHeader(resp.StatusCode)
 	_, _ = w.Write(body)
+}
+
+// streamErrorEvent is the SSE event a client gets when the upstream broke
+// off a stream; the abort that follows makes the stream end uncleanly too.
+func streamErrorEvent(f upstreamFailure) []byte {
+	body, _ := json.Marshal(struct {
+		Error apiError `json:"error"`
+	}{apiError{Message: "compactproxy: the upstream broke off the stream (" + f.text + ")", Type: "upstream_error", Code: &f.code}})
+	return append(append([]byte("data: "), body...), '\n', '\n')
+}
+
+// abortStream ends a stream the upstream broke off: the error event, then
+// http.ErrAbortHandler, so the client sees an incomplete response rather
+// than a clean end with half an answer (httputil's Issue 23643; CRAFT
+// habit 15). The usage that arrived was already recorded by relayEvents.
+func (s *Server) abortStream(w http.ResponseWriter, ri *reqInfo, f upstreamFailure) {
+	s.metrics.StreamAborts.Inc()
+	s.log.Warn("upstream stream broken off", zap.String("request_id", ri.id),
+		zap.String("upstream", s.chatLogURL), zap.String("error_class", f.code))
+	ri.aborted = true
+	if _, err := w.Write(streamErrorEvent(f)); err == nil {
+		if fl, ok := w.(http.Flusher); ok {
+			fl.Flush()
+		}
+	}
+	panic(http.ErrAbortHandler)
 }
 
 // usage counts reported usage and hands it to the anchor hook.

@@ -34,6 +34,7 @@ type Server struct {
 	handler      http.Handler
 	up           upstreamURLs
 	chatURL      string
+	chatLogURL   string // chatURL as logs may show it (scheme, host, path)
 	transport    *http.Transport
 	retrier      *retrier
 	auth         *clientAuth
@@ -76,12 +77,13 @@ func New(cfg config.Config, log *zap.Logger, reg *prometheus.Registry) (*Server,
 		log = zap.NewNop()
 	}
 	s := &Server{
-		cfg:       cfg,
-		log:       log.Named("proxy"),
-		metrics:   metrics.New(reg),
-		up:        up,
-		chatURL:   join(up.base, "chat/completions").String(),
-		transport: newTransport(),
+		cfg:        cfg,
+		log:        log.Named("proxy"),
+		metrics:    metrics.New(reg),
+		up:         up,
+		chatURL:    join(up.base, "chat/completions").String(),
+		chatLogURL: logURL(join(up.base, "chat/completions")),
+		transport:  newTransport(),
 	}
 	s.retrier = &retrier{policy: cfg.Retry, client: &http.Client{Transport: s.transport}, metrics: s.metrics}
 	s.auth = &clientAuth{required: cfg.Upstream.APIKey != "", allowAnonymous: cfg.Auth.AllowAnonymous}
