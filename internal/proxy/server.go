@@ -85,7 +85,7 @@ func New(cfg config.Config, log *zap.Logger, reg *prometheus.Registry) (*Server,
 		chatLogURL: logURL(join(up.base, "chat/completions")),
 		transport:  newTransport(),
 	}
-	s.retrier = &retrier{policy: cfg.Retry, client: &http.Client{Transport: s.transport}, metrics: s.metrics}
+	s.retrier = &retrier{policy: cfg.Retry, rt: s.transport, metrics: s.metrics}
 	s.auth = &clientAuth{required: cfg.Upstream.APIKey != "", allowAnonymous: cfg.Auth.AllowAnonymous}
 	for _, k := range cfg.Auth.ClientKeys {
 		s.auth.keys = append(s.auth.keys, []byte(k.Reveal()))

@@ -73,9 +73,13 @@ func join(base *url.URL, p string) *url.URL {
 // jittered exponential backoff, honouring Retry-After and retry-after-ms, at
 // most Attempts tries and MaxElapsed overall. Timeouts are not retried (a
 // slow prefill would be paid twice); other 4xx never are.
+//
+// Requests go through the transport's RoundTrip, never an http.Client: a
+// client follows redirects (a 301 turns the POST into a GET to another
+// path) and wraps errors in *url.Error, which quotes the URL (CRAFT 14).
 type retrier struct {
 	policy  config.Retry
-	client  *http.Client
+	rt      http.RoundTripper
 	metrics *metrics.Metrics
 	sleep   func(ctx context.Context, d time.Duration) error // nil = real sleep
 }
@@ -159,7 +163,7 @@ func (r *retrier) do(ctx context.Context, op string, mk func() (*http.Request, e
 		if err != nil {
 			return nil, err
 		}
-		resp, err := r.client.Do(req.WithContext(ctx))
+		resp, err := r.rt.RoundTrip(req.WithContext(ctx))
 		reason := retryReason(resp, err)
 		if reason == "" || n >= attempts || ctx.Err() != nil {
 			return resp, err
