@@ -284,6 +284,12 @@ func TestRetries(t *testing.T) {
 		{"400 never retried", 3, []int{400}, [2]string{}, 400, 1, ""},
 		{"500 never retried", 3, []int{500}, [2]string{}, 500, 1, ""},
 		{"retry-after beyond max_elapsed", 3, []int{429}, [2]string{"Retry-After", "120"}, 429, 1, ""},
+		// 1e20 s overflowed time.Duration to a negative wait: three tries at once.
+		{"retry-after overflowing a Duration", 3, []int{429}, [2]string{"Retry-After", "100000000000000000000"}, 429, 1, ""},
+		{"retry-after-ms overflowing a Duration", 3, []int{429}, [2]string{"Retry-After-Ms", "1e300"}, 429, 1, ""},
+		{"retry-after out of float range", 3, []int{429}, [2]string{"Retry-After", "1e400"}, 429, 1, ""},
+		{"retry-after malformed", 3, []int{503}, [2]string{"Retry-After", "soon"}, 503, 1, ""},
+		{"retry-after negative", 3, []int{503}, [2]string{"Retry-After", "-5"}, 503, 1, ""},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
