@@ -81,3 +81,12 @@ func (t *trackedReader) Close() error {
 	}
 	return nil
 }
+
+// grow returns a buffer of length n holding the first keep bytes of pb, and
+// gives pb back to the pool.
+func (pb *pooledBody) grow(n, keep int) *pooledBody {
+	nb := getBody(n)
+	copy(nb.buf, pb.buf[:keep])
+	pb.release()
+	return nb
+}
