@@ -166,7 +166,7 @@ func (s *Server) injectUsage(req *chat.Request) bool {
 	case "always":
 		return true
 	}
-	return !s.noStreamOptions.Load()
+	return !s.noStreamOptions.unsupported(s.modelIdentity(req.Model))
 }
 
 // streamOptions returns the client's stream_options with include_usage set.

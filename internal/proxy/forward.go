@@ -24,7 +24,7 @@ func (s *Server) forwardChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 	ctx := r.Context()
 	ri := infoFrom(ctx)
 	cr.inject = s.injectUsage(cr.req)
-	recovered := false
+	recovered, streamOptionsResend := false, false
 	for first := true; ; first = false {
 		body := cr.body()
 		if first { // the recoveries' resends are not overhead of the request path
@@ -58,12 +58,13 @@ func (s *Server) forwardChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 			resp.Body.Close()
 			ri.upstream = time.Since(upStart)
 			if cr.inject && s.cfg.Upstream.StreamUsage == "auto" && mentionsStreamOptions(resp.StatusCode, errBody) {
-				// An upstream that does not know stream_options: remember it
-				// and send the request again as the client wrote it.
-				s.noStreamOptions.Store(true)
+				// Maybe an upstream that does not know stream_options, maybe
+				// the client's own bad stream_options: send the request
+				// again as the client wrote it, and learn only if that
+				// succeeds (below).
 				s.metrics.UpstreamRetries.WithLabelValues("chat", "stream_options").Inc()
-				s.log.Info("upstream rejects stream_options; usage injection disabled", zap.String("request_id", ri.id))
 				cr.inject = false
+				streamOptionsResend = true
 				continue
 			}
 			if !recovered && s.recoverOverflow != nil {
@@ -77,6 +78,11 @@ func (s *Server) forwardChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 			w.WriteHeader(resp.StatusCode)
 			_, _ = w.Write(errBody)
 			return
+		}
+		if streamOptionsResend {
+			s.noStreamOptions.learn(s.modelIdentity(cr.req.Model))
+			s.log.Info("upstream rejects stream_options for this model; usage injection paused",
+				zap.String("request_id", ri.id), zap.Duration("for", s.cfg.Upstream.DiscoveryInterval))
 		}
 		s.relay(w, r, cr, resp, upStart)
 		return

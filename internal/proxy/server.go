@@ -8,7 +8,6 @@ import (
 	"crypto/rand"
 	"fmt"
 	"net/http"
-	"sync/atomic"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/compaction"
@@ -53,9 +52,9 @@ type Server struct {
 	summarizerIsUpstream bool
 	sumSem               chan struct{}
 
-	// noStreamOptions is set once the upstream rejected stream_options
-	// (upstream.stream_usage auto).
-	noStreamOptions atomic.Bool
+	// noStreamOptions: model identities whose upstream rejected
+	// stream_options (upstream.stream_usage auto), for discovery_interval.
+	noStreamOptions *streamOptionsMemo
 
 	// prepare runs after parsing and before forwarding (pairing, anchors,
 	// compaction); it returns true when it already answered the client.
@@ -77,13 +76,14 @@ func New(cfg config.Config, log *zap.Logger, reg *prometheus.Registry) (*Server,
 		log = zap.NewNop()
 	}
 	s := &Server{
-		cfg:        cfg,
-		log:        log.Named("proxy"),
-		metrics:    metrics.New(reg),
-		up:         up,
-		chatURL:    join(up.base, "chat/completions").String(),
-		chatLogURL: logURL(join(up.base, "chat/completions")),
-		transport:  newTransport(),
+		cfg:             cfg,
+		log:             log.Named("proxy"),
+		metrics:         metrics.New(reg),
+		up:              up,
+		chatURL:         join(up.base, "chat/completions").String(),
+		chatLogURL:      logURL(join(up.base, "chat/completions")),
+		noStreamOptions: newStreamOptionsMemo(cfg.Upstream.DiscoveryInterval),
+		transport:       newTransport(),
 	}
 	s.retrier = &retrier{policy: cfg.Retry, rt: s.transport, metrics: s.metrics}
 	s.auth = &clientAuth{required: cfg.Upstream.APIKey != "", allowAnonymous: cfg.Auth.AllowAnonymous}
