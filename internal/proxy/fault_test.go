@@ -151,11 +151,11 @@ func faultCells() []faultCell {
 			logMessages: []string{"upstream request failed"}},
 		{name: "upstream times out before headers", client: clientGivesUp,
 			upstream: func(w http.ResponseWriter, r *http.Request, n int) { block(r) },
-			status: 0, calls: 1, cancelled: true, logStatus: 499,
+			status:   0, calls: 1, cancelled: true, logStatus: 499,
 			metrics: []metricWant{{"compactproxy_http_requests_total", map[string]string{"route": "chat", "code": "499"}, 1}}},
 		{name: "upstream times out mid-stream", client: clientGivesUp, body: faultStream,
 			upstream: func(w http.ResponseWriter, r *http.Request, n int) { streamHead(w); block(r) },
-			status: 200, aborted: true, bodyHas: []string{"one"}, calls: 1, cancelled: true, logStatus: 499,
+			status:   200, aborted: true, bodyHas: []string{"one"}, calls: 1, cancelled: true, logStatus: 499,
 			metrics: []metricWant{{"compactproxy_stream_aborts_total", nil, 0}}},
 		{name: "upstream resets mid-stream", body: faultStream,
 			upstream: func(w http.ResponseWriter, r *http.Request, n int) {
@@ -199,11 +199,11 @@ func faultCells() []faultCell {
 			metricWant{"compactproxy_upstream_retries_total", map[string]string{"op": "summarize", "reason": "connect"}, 2}),
 		{name: "client leaves before the upstream answers", client: clientLeavesBefore,
 			upstream: func(w http.ResponseWriter, r *http.Request, n int) { block(r) },
-			status: 0, calls: 1, cancelled: true, logStatus: 499,
+			status:   0, calls: 1, cancelled: true, logStatus: 499,
 			metrics: []metricWant{{"compactproxy_http_requests_total", map[string]string{"route": "chat", "code": "499"}, 1}}},
 		{name: "client leaves during the stream", client: clientLeavesDuring, body: faultStream,
 			upstream: func(w http.ResponseWriter, r *http.Request, n int) { streamHead(w); block(r) },
-			status: 200, aborted: true, bodyHas: []string{"one"}, calls: 1, cancelled: true, logStatus: 499,
+			status:   200, aborted: true, bodyHas: []string{"one"}, calls: 1, cancelled: true, logStatus: 499,
 			metrics: []metricWant{{"compactproxy_stream_aborts_total", nil, 0}}},
 		{name: "client leaves after the answer", client: clientLeavesAfterwards, body: faultStream,
 			upstream: func(w http.ResponseWriter, r *http.Request, n int) {
@@ -375,4 +375,3 @@ func runFaultCell(t *testing.T, tc faultCell) {
 		}
 	}
 }
-

@@ -46,7 +46,7 @@ func FuzzChatHandler(f *testing.F) {
 	cfg.Upstream.URL = up.URL + "/v1"
 	cfg.Limits.MaxBodyBytes = 1 << 20
 	cfg.Models = []config.Model{{Name: "m", ContextWindow: 4096}} // compaction runs
-	cfg.Compaction.Summarizer.Enabled = false                      // trim and drop only: one upstream call per request
+	cfg.Compaction.Summarizer.Enabled = false                     // trim and drop only: one upstream call per request
 	srv, err := New(cfg, zap.NewNop(), prometheus.NewRegistry())
 	if err != nil {
 		f.Fatal(err)
