@@ -8,7 +8,8 @@
 # aborted correctly, or the goroutines did not settle.
 #
 # Knobs (env): SOAK_STREAMS (1000), SOAK_DURATION (60s), SOAK_TRICKLE (250ms),
-# SOAK_LEAVE (0.1), SOAK_OUT (bench/results/soak.json).
+# SOAK_LEAVE (0.1), SOAK_DRAIN (150s: how long the end waits for goroutines
+# and RSS to settle), SOAK_OUT (bench/results/soak.json).
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,6 +19,7 @@ streams="${SOAK_STREAMS:-1000}"
 duration="${SOAK_DURATION:-60s}"
 trickle="${SOAK_TRICKLE:-250ms}"
 leave="${SOAK_LEAVE:-0.1}"
+drain="${SOAK_DRAIN:-150s}"
 out="${SOAK_OUT:-$root/bench/results/soak.json}"
 mkdir -p "$(dirname "$out")"
 
@@ -82,7 +84,7 @@ log "mock http://$mock  compactproxy http://127.0.0.1:$port (pid $cpid); $stream
 set +e
 timeout --kill-after=10s 900s "$work/soak" -direct "http://$mock/v1" -proxy "http://127.0.0.1:$port/v1" \
 	-metrics "http://127.0.0.1:$port/metrics" -pid "$cpid" \
-	-streams "$streams" -duration "$duration" -trickle "$trickle" -leave "$leave" -out "$out"
+	-streams "$streams" -duration "$duration" -trickle "$trickle" -leave "$leave" -drain "$drain" -out "$out"
 rc=$?
 set -e
 log "compactproxy log lines by message:"

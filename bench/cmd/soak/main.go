@@ -72,12 +72,14 @@ func main() {
 
 	big := bigBody()
 	report := struct {
-		Phases  []phase  `json:"phases"`
-		Start   sample   `json:"start"`
-		Peak    sample   `json:"peak"`
-		End     sample   `json:"end"`
-		Drain   string   `json:"drained_after"`
-		Verdict []string `json:"verdict"`
+		Phases []phase `json:"phases"`
+		Start  sample  `json:"start"`
+		Peak   sample  `json:"peak"`
+		End    sample  `json:"end"`
+		Drain  string  `json:"drained_after"`
+		// DrainSamples: the proxy every 30 s while draining.
+		DrainSamples []string `json:"drain_samples"`
+		Verdict      []string `json:"verdict"`
 	}{}
 
 	d := runPhase("direct", *direct, *streams, *duration, *trickle, *leave, big)
@@ -113,8 +115,13 @@ func main() {
 	// mock closes the proxy's idle upstream connections (-idle-timeout).
 	t0 := time.Now()
 	end := measure(*metricsURL, *pid)
+	nextSample := time.Duration(0)
 	for time.Since(t0) < *drain {
 		end = measure(*metricsURL, *pid)
+		if el := time.Since(t0); el >= nextSample {
+			report.DrainSamples = append(report.DrainSamples, fmt.Sprintf("%s: %d goroutines, %d KiB RSS", el.Round(time.Second), end.Goroutines, end.RSSKiB))
+			nextSample += 30 * time.Second
+		}
 		// RSS falls only after a GC (forced every 2 min when idle) and
 		// the scavenger returned the pages: wait for both, within -drain.
 		if float64(end.Goroutines) <= 1.1*float64(report.Start.Goroutines) &&
