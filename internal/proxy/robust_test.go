@@ -12,6 +12,7 @@ import (
 	"strings"
 	"testing"
 
+	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 )
 
@@ -136,5 +137,31 @@ func TestUpstreamRedirectNotFollowed(t *testing.T) {
 		if r.Path != "/v1/chat/completions" || r.Method != http.MethodPost {
 			t.Errorf("the proxy followed the redirect: %s %s", r.Method, r.Path)
 		}
+	}
+}
+
+// A pass-through stream the upstream breaks off is aborted by ReverseProxy
+// (http.ErrAbortHandler); the access log and metrics still record it,
+// without the Go error string ReverseProxy would log.
+func TestPassThroughBrokenStreamRecorded(t *testing.T) {
+	up := newFakeUpstream(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		sse(w, `{"choices":[{"text":"one"}]}`)
+		c, _, _ := w.(http.Hijacker).Hijack()
+		c.Close()
+	})
+	p := newTestProxy(t, testConfig(up.URL))
+	resp := p.post(t, "/v1/completions", `{"model":"m","prompt":"x","stream":true}`)
+	b, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err == nil {
+		t.Fatalf("pass-through stream ended cleanly after the upstream broke it off: %q", b)
+	}
+	waitFor(t, func() bool { return counter(t, p.reg, "compactproxy_stream_aborts_total", nil) == 1 })
+	waitFor(t, func() bool {
+		return p.logs.FilterMessage("request").FilterField(zap.Bool("aborted", true)).Len() == 1
+	})
+	if v := counter(t, p.reg, "compactproxy_http_requests_total", map[string]string{"route": "passthrough"}); v != 1 {
+		t.Errorf("http_requests_total{passthrough} = %v, want 1", v)
 	}
 }
