@@ -55,6 +55,9 @@ type phase struct {
 type sample struct {
 	Goroutines int   `json:"goroutines"`
 	RSSKiB     int64 `json:"rss_kib"`
+	// HeapInuseKiB (go_memstats_heap_inuse_bytes) tells live heap from
+	// memory the runtime has not yet returned to the OS.
+	HeapInuseKiB int64 `json:"heap_inuse_kib"`
 }
 
 func main() {
@@ -119,7 +122,7 @@ func main() {
 	for time.Since(t0) < *drain {
 		end = measure(*metricsURL, *pid)
 		if el := time.Since(t0); el >= nextSample {
-			report.DrainSamples = append(report.DrainSamples, fmt.Sprintf("%s: %d goroutines, %d KiB RSS", el.Round(time.Second), end.Goroutines, end.RSSKiB))
+			report.DrainSamples = append(report.DrainSamples, fmt.Sprintf("%s: %d goroutines, %d KiB RSS, %d KiB heap in use", el.Round(time.Second), end.Goroutines, end.RSSKiB, end.HeapInuseKiB))
 			nextSample += 30 * time.Second
 		}
 		// RSS falls only after a GC (forced every 2 min when idle) and
@@ -340,6 +343,10 @@ func measure(metricsURL string, pid int) sample {
 			if v, ok := strings.CutPrefix(sc.Text(), "go_goroutines "); ok {
 				f, _ := strconv.ParseFloat(v, 64)
 				s.Goroutines = int(f)
+			}
+			if v, ok := strings.CutPrefix(sc.Text(), "go_memstats_heap_inuse_bytes "); ok {
+				f, _ := strconv.ParseFloat(v, 64)
+				s.HeapInuseKiB = int64(f) / 1024
 			}
 		}
 		resp.Body.Close()
