@@ -105,6 +105,7 @@ func main() {
 				s := measure(*metricsURL, *pid)
 				peak.Goroutines = max(peak.Goroutines, s.Goroutines)
 				peak.RSSKiB = max(peak.RSSKiB, s.RSSKiB)
+				peak.HeapInuseKiB = max(peak.HeapInuseKiB, s.HeapInuseKiB)
 			}
 		}
 	}()
