@@ -6,7 +6,7 @@ IMAGE    ?= compactproxy
 VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS  := -s -w -X main.version=$(VERSION)
 
-.PHONY: all build run test e2e-deps agent-deps ops-deps redis-deps bench bench-go bench-load lint docker clean help
+.PHONY: all build run test e2e-deps agent-deps ops-deps redis-deps bench bench-go bench-load soak lint docker clean help
 
 all: lint test build
 
@@ -15,6 +15,7 @@ help:
 	@echo "make run       go run ./cmd/compactproxy (set COMPACTPROXY_UPSTREAM_URL)"
 	@echo "make test      e2e dependencies + go test -race -count=1 ./... (what CI runs)"
 	@echo "make bench     go test benchmarks + load harness (not part of make test)"
+	@echo "make soak      1,000 streams for 60 s, direct vs through compactproxy (not part of make test)"
 	@echo "make lint      gofmt check + go vet"
 	@echo "make docker    docker build -t $(IMAGE):$(VERSION) ."
 
@@ -68,6 +69,10 @@ bench-go:
 
 bench-load:
 	./bench/run.sh
+
+# Not part of `make test`: long-running load, see bench/soak.sh.
+soak:
+	./bench/soak.sh
 
 lint:
 	@out="$$(find . -name '*.go' -not -path './.git/*' -not -path '*/node_modules/*' -print0 | xargs -0 gofmt -l)"; \

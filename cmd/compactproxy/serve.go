@@ -24,6 +24,10 @@ import (
 // generations and streams.
 const readHeaderTimeout = 10 * time.Second
 
+// maxHeaderBytes bounds request headers (DESIGN § Request bodies and abuse).
+// It is net/http's default, stated so that it is a decision, not an accident.
+const maxHeaderBytes = 1 << 20
+
 // idleTimeout closes keep-alive connections that sit unused.
 const idleTimeout = 120 * time.Second
 
@@ -111,6 +115,7 @@ func serve(ctx context.Context, cfg config.Config, file string, log *zap.Logger)
 	hs := &http.Server{
 		Handler:           p.Handler(),
 		ReadHeaderTimeout: readHeaderTimeout,
+		MaxHeaderBytes:    maxHeaderBytes,
 		IdleTimeout:       idleTimeout,
 		ErrorLog:          zap.NewStdLog(log.Named("http")),
 	}

@@ -147,6 +147,9 @@ type Redis struct {
 // Limits bounds what a client may send.
 type Limits struct {
 	MaxBodyBytes int64 `mapstructure:"max_body_bytes" yaml:"max_body_bytes"` // 33554432
+	// BodyReadTimeout bounds how long a client may take to send its request
+	// body (default 60s; must be > 0); past it the client gets 408.
+	BodyReadTimeout time.Duration `mapstructure:"body_read_timeout" yaml:"body_read_timeout"`
 }
 
 // Log configures logging.
@@ -201,7 +204,7 @@ func Default() Config {
 			Bolt:       Bolt{Path: "compactproxy.db"},
 			Redis:      Redis{Prefix: "compactproxy:"},
 		},
-		Limits: Limits{MaxBodyBytes: 33554432},
+		Limits: Limits{MaxBodyBytes: 33554432, BodyReadTimeout: 60 * time.Second},
 		Log:    Log{Level: "info", Format: "json"},
 	}
 }

@@ -210,6 +210,7 @@ func (c Config) Validate() error {
 	}
 
 	v.atLeast("limits.max_body_bytes", c.Limits.MaxBodyBytes, 1)
+	v.positiveDuration("limits.body_read_timeout", c.Limits.BodyReadTimeout)
 
 	v.oneOf("log.level", c.Log.Level, LogLevels)
 	v.oneOf("log.format", c.Log.Format, LogFormats)

@@ -111,6 +111,7 @@ func TestValidateRules(t *testing.T) {
 		{"store.ttl zero", func(c *Config) { c.Store.TTL = 0 }, "store.ttl: must be > 0"},
 
 		{"limits.max_body_bytes zero", func(c *Config) { c.Limits.MaxBodyBytes = 0 }, "limits.max_body_bytes: must be >= 1"},
+		{"limits.body_read_timeout zero", func(c *Config) { c.Limits.BodyReadTimeout = 0 }, "limits.body_read_timeout: must be > 0"},
 
 		{"log.level", func(c *Config) { c.Log.Level = "verbose" }, "log.level: must be one of"},
 		{"log.level debug", func(c *Config) { c.Log.Level = "debug" }, ""},

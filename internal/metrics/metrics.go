@@ -47,6 +47,7 @@ type Metrics struct {
 	// Presummarize counts background summaries by result.
 	Presummarize *prometheus.CounterVec // result
 	StoreErrors  *prometheus.CounterVec // op
+	StreamAborts prometheus.Counter
 }
 
 // New registers the metrics on reg, plus the Go and process collectors.
@@ -104,6 +105,8 @@ func New(reg prometheus.Registerer) *Metrics {
 			Help: "Chat requests over the budget whose fixed part (system messages, tools, template) alone is over it: forwarded as is."}),
 		StoreErrors: f.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "store_errors_total",
 			Help: "Failed state store operations (load, save, lock); the request went on without them."}, []string{"op"}),
+		StreamAborts: f.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "stream_aborts_total",
+			Help: "Upstream streams broken off and aborted to the client (no clean end)."}),
 	}
 	// Pre-create the fixed label values so dashboards see zeros.
 	for _, r := range []string{"hit", "miss"} {

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bytes"
+	"errors"
 	"math/bits"
 	"sync"
 	"sync/atomic"
@@ -16,6 +17,14 @@ import (
 // request bodies that point into it are tracked, and http.Transport closes
 // a request body when it is done with it (even on errors, possibly after
 // RoundTrip returned). A buffer with a body still open is left to the GC.
+//
+// "Closed" alone does not mean "no reader": httputil notes that a closed
+// body may still be read (Go issue 46866), and the HTTP/2 transport closes
+// a request body from one goroutine while its body writer may be inside
+// Read in another. So trackedReader makes it true itself: Read and Close
+// exclude each other, and a Read after Close touches nothing and fails.
+// Close returns only when no Read is running, so the buffer is free to
+// reuse once every reader is closed.
 const (
 	minPoolClass = 16 // 64 KiB
 	maxPoolClass = 26 // 64 MiB
@@ -61,7 +70,7 @@ func (pb *pooledBody) release() {
 // reader returns an io.ReadCloser over b (which may point into pb) that
 // marks pb busy until the transport closes it.
 func (pb *pooledBody) reader(b []byte) *trackedReader {
-	t := &trackedReader{Reader: bytes.NewReader(b)}
+	t := &trackedReader{r: bytes.NewReader(b)}
 	if pb != nil {
 		pb.open.Add(1)
 		t.pb = pb
@@ -70,14 +79,41 @@ func (pb *pooledBody) reader(b []byte) *trackedReader {
 }
 
 type trackedReader struct {
-	*bytes.Reader
+	mu     sync.Mutex
+	r      *bytes.Reader
 	pb     *pooledBody
-	closed atomic.Bool
+	closed bool
+}
+
+// errBodyClosed is what a Read after Close gets.
+var errBodyClosed = errors.New("proxy: request body read after close")
+
+func (t *trackedReader) Read(p []byte) (int, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.closed {
+		return 0, errBodyClosed
+	}
+	return t.r.Read(p)
 }
 
 func (t *trackedReader) Close() error {
-	if t.pb != nil && t.closed.CompareAndSwap(false, true) {
-		t.pb.open.Add(-1)
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if !t.closed {
+		t.closed = true
+		if t.pb != nil {
+			t.pb.open.Add(-1)
+		}
 	}
 	return nil
+}
+
+// grow returns a buffer of length n holding the first keep bytes of pb, and
+// gives pb back to the pool.
+func (pb *pooledBody) grow(n, keep int) *pooledBody {
+	nb := getBody(n)
+	copy(nb.buf, pb.buf[:keep])
+	pb.release()
+	return nb
 }

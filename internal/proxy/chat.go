@@ -5,8 +5,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"fmt"
-	"io"
 	"net/http"
 	"strings"
 	"time"
@@ -14,39 +12,6 @@ import (
 	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/chat"
 )
-
-// errBodyTooLarge is returned by readBody when limits.max_body_bytes is hit.
-var errBodyTooLarge = errors.New("proxy: request body too large")
-
-// readBody reads the whole body under limit. Content-Length is checked first
-// so an oversized upload is refused without reading it, and a declared
-// length is read into one exactly-sized buffer (no growth copies of a
-// megabyte body).
-func readBody(r *http.Request, limit int64) ([]byte, *pooledBody, error) {
-	if limit > 0 && r.ContentLength > limit {
-		return nil, nil, errBodyTooLarge
-	}
-	if n := r.ContentLength; n > 0 {
-		pb := getBody(int(n))
-		if _, err := io.ReadFull(r.Body, pb.buf); err != nil {
-			pb.release()
-			return nil, nil, err
-		}
-		return pb.buf, pb, nil
-	}
-	b := bytes.NewBuffer(nil)
-	rd := io.Reader(r.Body)
-	if limit > 0 {
-		rd = io.LimitReader(r.Body, limit+1)
-	}
-	if _, err := b.ReadFrom(rd); err != nil {
-		return nil, nil, err
-	}
-	if limit > 0 && int64(b.Len()) > limit {
-		return nil, nil, errBodyTooLarge
-	}
-	return b.Bytes(), nil, nil
-}
 
 // writeUnauthorized answers a client without a key this proxy accepts.
 func writeUnauthorized(w http.ResponseWriter) {
@@ -66,17 +31,12 @@ func (s *Server) readChatRequest(w http.ResponseWriter, r *http.Request) (*chat.
 		writeUnauthorized(w)
 		return nil, nil, false
 	}
-	body, pb, err := readBody(r, s.cfg.Limits.MaxBodyBytes)
+	pb, err := readBodyWithin(w, r, s.cfg.Limits.MaxBodyBytes, s.cfg.Limits.BodyReadTimeout)
 	if err != nil {
-		if errors.Is(err, errBodyTooLarge) {
-			writeError(w, http.StatusRequestEntityTooLarge, "invalid_request_error", "request_too_large", "",
-				fmt.Sprintf("request body exceeds the proxy's limit of %d bytes (limits.max_body_bytes)", s.cfg.Limits.MaxBodyBytes))
-			return nil, nil, false
-		}
-		infoFrom(r.Context()).status = 499
+		s.answerBodyError(w, r, err)
 		return nil, nil, false
 	}
-	req, err := chat.Parse(body)
+	req, err := chat.Parse(pb.buf)
 	if err != nil {
 		pb.release()
 		var pe *chat.ParseError
@@ -209,7 +169,7 @@ func (s *Server) injectUsage(req *chat.Request) bool {
 	case "always":
 		return true
 	}
-	return !s.noStreamOptions.Load()
+	return !s.noStreamOptions.unsupported(s.modelIdentity(req.Model))
 }
 
 // streamOptions returns the client's stream_options with include_usage set.

@@ -1,7 +1,7 @@
 package proxy
 
 import (
-	"context"
+	"encoding/json"
 	"errors"
 	"io"
 	"net/http"
@@ -24,7 +24,7 @@ func (s *Server) forwardChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 	ctx := r.Context()
 	ri := infoFrom(ctx)
 	cr.inject = s.injectUsage(cr.req)
-	recovered := false
+	recovered, streamOptionsResend := false, false
 	for first := true; ; first = false {
 		body := cr.body()
 		if first { // the recoveries' resends are not overhead of the request path
@@ -47,9 +47,10 @@ func (s *Server) forwardChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 				ri.status = 499
 				return
 			}
-			s.log.Warn("upstream request failed", zap.String("request_id", ri.id), zap.Error(err))
-			writeError(w, http.StatusBadGateway, "upstream_error", "upstream_unreachable", "",
-				"compactproxy: the upstream could not be reached: "+errorClass(err))
+			f := classifyUpstream(err)
+			s.log.Warn("upstream request failed", zap.String("request_id", ri.id),
+				zap.String("upstream", s.chatLogURL), zap.String("error_class", f.code))
+			writeUpstreamFailure(w, f)
 			return
 		}
 		if resp.StatusCode >= 400 {
@@ -57,12 +58,13 @@ func (s *Server) forwardChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 			resp.Body.Close()
 			ri.upstream = time.Since(upStart)
 			if cr.inject && s.cfg.Upstream.StreamUsage == "auto" && mentionsStreamOptions(resp.StatusCode, errBody) {
-				// An upstream that does not know stream_options: remember it
-				// and send the request again as the client wrote it.
-				s.noStreamOptions.Store(true)
+				// Maybe an upstream that does not know stream_options, maybe
+				// the client's own bad stream_options: send the request
+				// again as the client wrote it, and learn only if that
+				// succeeds (below).
 				s.metrics.UpstreamRetries.WithLabelValues("chat", "stream_options").Inc()
-				s.log.Info("upstream rejects stream_options; usage injection disabled", zap.String("request_id", ri.id))
 				cr.inject = false
+				streamOptionsResend = true
 				continue
 			}
 			if !recovered && s.recoverOverflow != nil {
@@ -77,22 +79,14 @@ func (s *Server) forwardChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 			_, _ = w.Write(errBody)
 			return
 		}
+		if streamOptionsResend {
+			s.noStreamOptions.learn(s.modelIdentity(cr.req.Model))
+			s.log.Info("upstream rejects stream_options for this model; usage injection paused",
+				zap.String("request_id", ri.id), zap.Duration("for", s.cfg.Upstream.DiscoveryInterval))
+		}
 		s.relay(w, r, cr, resp, upStart)
 		return
 	}
-}
-
-// errorClass describes an upstream transport error without leaking more
-// than needed.
-func errorClass(err error) string {
-	var de DialError
-	switch {
-	case errors.As(err, &de):
-		return "connection failed (" + de.Error() + ")"
-	case errors.Is(err, context.DeadlineExceeded):
-		return "timed out"
-	}
-	return err.Error()
 }
 
 func (s *Server) writeHeaders(w http.ResponseWriter, cr *chatRequest, up http.Header) {
@@ -117,10 +111,13 @@ func (s *Server) relay(w http.ResponseWriter, r *http.Request, cr *chatRequest, 
 			f.Flush()
 		}
 		err := relayEvents(w, resp.Body, cr.inject, func(u anchor.Usage) { s.usage(cr, u) })
-		if err != nil && r.Context().Err() != nil {
+		var broken streamBroken
+		switch {
+		case err == nil:
+		case r.Context().Err() != nil || errors.Is(err, errClientGone):
 			ri.status = 499
-		} else if err != nil {
-			s.log.Warn("upstream stream ended with an error", zap.String("request_id", ri.id), zap.Error(err))
+		case errors.As(err, &broken):
+			s.abortStream(w, ri, classifyUpstream(broken.error))
 		}
 		return
 	}
@@ -130,8 +127,10 @@ func (s *Server) relay(w http.ResponseWriter, r *http.Request, cr *chatRequest, 
 			ri.status = 499
 			return
 		}
-		s.log.Warn("upstream body read failed", zap.String("request_id", ri.id), zap.Error(err))
-		writeError(w, http.StatusBadGateway, "upstream_error", "upstream_error", "", "compactproxy: the upstream answer was cut off")
+		f := classifyUpstream(err)
+		s.log.Warn("upstream body read failed", zap.String("request_id", ri.id),
+			zap.String("upstream", s.chatLogURL), zap.String("error_class", f.code))
+		writeError(w, http.StatusBadGateway, "upstream_error", f.code, "", "compactproxy: the upstream answer was cut off ("+f.text+")")
 		return
 	}
 	if u, ok := anchor.UsageFromJSON(body); ok {
@@ -139,6 +138,32 @@ func (s *Server) relay(w http.ResponseWriter, r *http.Request, cr *chatRequest, 
 	}
 	w.WriteHeader(resp.StatusCode)
 	_, _ = w.Write(body)
+}
+
+// streamErrorEvent is the SSE event a client gets when the upstream broke
+// off a stream; the abort that follows makes the stream end uncleanly too.
+func streamErrorEvent(f upstreamFailure) []byte {
+	body, _ := json.Marshal(struct {
+		Error apiError `json:"error"`
+	}{apiError{Message: "compactproxy: the upstream broke off the stream (" + f.text + ")", Type: "upstream_error", Code: &f.code}})
+	return append(append([]byte("data: "), body...), '\n', '\n')
+}
+
+// abortStream ends a stream the upstream broke off: the error event, then
+// http.ErrAbortHandler, so the client sees an incomplete response rather
+// than a clean end with half an answer (httputil's Issue 23643; CRAFT
+// habit 15). The usage that arrived was already recorded by relayEvents.
+func (s *Server) abortStream(w http.ResponseWriter, ri *reqInfo, f upstreamFailure) {
+	s.metrics.StreamAborts.Inc()
+	s.log.Warn("upstream stream broken off", zap.String("request_id", ri.id),
+		zap.String("upstream", s.chatLogURL), zap.String("error_class", f.code))
+	ri.aborted = true
+	if _, err := w.Write(streamErrorEvent(f)); err == nil {
+		if fl, ok := w.(http.Flusher); ok {
+			fl.Flush()
+		}
+	}
+	panic(http.ErrAbortHandler)
 }
 
 // usage counts reported usage and hands it to the anchor hook.

@@ -50,14 +50,16 @@ func (rd *readiness) probe(ctx context.Context) (bool, string) {
 	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, target, nil)
 	if err != nil {
-		return false, err.Error()
+		return false, "upstream URL invalid"
 	}
 	if key := s.cfg.Upstream.APIKey.Reveal(); key != "" {
 		req.Header.Set("Authorization", "Bearer "+key)
 	}
-	resp, err := (&http.Client{Transport: s.transport}).Do(req)
+	// RoundTrip, not http.Client: a redirect is an answer, not a hop to
+	// follow, and its errors do not quote the URL (*url.Error does).
+	resp, err := s.transport.RoundTrip(req)
 	if err != nil {
-		return false, "upstream unreachable: " + errorClass(err)
+		return false, classifyUpstream(err).text
 	}
 	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
 	resp.Body.Close()

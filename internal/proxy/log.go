@@ -54,6 +54,9 @@ type reqInfo struct {
 	status   int // overrides the written status (499 for a client that left)
 	upstream time.Duration
 	chat     *chatInfo
+	// aborted: the response was broken off (http.ErrAbortHandler) after the
+	// upstream broke off its stream; the status written is not the end.
+	aborted bool
 }
 
 // chatInfo is the chat-specific part of the access log. Never content.
@@ -109,52 +112,78 @@ func observe(route string, log *zap.Logger, m *metrics.Metrics, next http.Handle
 		w.Header().Set("X-Request-Id", id)
 		ri := &reqInfo{id: id, route: route}
 		sw := &statusWriter{ResponseWriter: w}
+		// A handler that aborts (http.ErrAbortHandler: a broken upstream
+		// stream, chat or pass-through) is still logged and counted; the
+		// panic then goes on to net/http, which drops the connection.
+		defer func() {
+			v := recover()
+			if v == nil {
+				return
+			}
+			if v == http.ErrAbortHandler && r.Context().Err() == nil {
+				if !ri.aborted && route == "passthrough" {
+					m.StreamAborts.Inc()
+				}
+				ri.aborted = true
+			}
+			record(log, m, route, r, sw, ri, start)
+			panic(v)
+		}()
 		next.ServeHTTP(sw, r.WithContext(context.WithValue(r.Context(), ctxKey{}, ri)))
-		status := sw.status
-		if status == 0 {
-			status = http.StatusOK
-		}
-		if ri.status != 0 {
-			status = ri.status
-		} else if r.Context().Err() != nil && status < 400 && route != "health" {
-			status = 499
-		}
-		m.HTTPRequests.WithLabelValues(route, metrics.Code(status)).Inc()
-		if route == "health" || route == "metrics" {
-			if ce := log.Check(zap.DebugLevel, "request"); ce != nil {
-				ce.Write(zap.String("request_id", id), zap.String("route", route), zap.Int("status", status))
-			}
-			return
-		}
-		fields := []zap.Field{
-			zap.String("request_id", id),
-			zap.String("route", route),
-			zap.String("method", r.Method),
-			zap.String("path", r.URL.Path),
-			zap.Int("status", status),
-			zap.Int64("bytes", sw.bytes),
-			zap.Duration("duration", time.Since(start)),
-		}
-		if ri.upstream > 0 {
-			fields = append(fields, zap.Duration("upstream_duration", ri.upstream))
-		}
-		if c := ri.chat; c != nil {
-			fields = append(fields,
-				zap.String("model", c.model),
-				zap.Bool("stream", c.stream),
-				zap.Int("messages", c.messages),
-				zap.String("compaction", c.action),
-				zap.Int("context_tokens", c.contextTokens),
-				zap.String("context_source", c.contextSource),
-				zap.Int("forwarded_tokens", c.forwardedTokens),
-			)
-			if c.conversation != "" {
-				fields = append(fields, zap.String("conversation_id", c.conversation))
-			}
-			if c.pairing != "" {
-				fields = append(fields, zap.String("pairing", c.pairing))
-			}
-		}
-		log.Info("request", fields...)
+		record(log, m, route, r, sw, ri, start)
 	})
+}
+
+// record writes the access log line and counts http_requests_total.
+func record(log *zap.Logger, m *metrics.Metrics, route string, r *http.Request, sw *statusWriter, ri *reqInfo, start time.Time) {
+	id := ri.id
+	status := sw.status
+	if status == 0 {
+		status = http.StatusOK
+	}
+	if ri.status != 0 {
+		status = ri.status
+	} else if r.Context().Err() != nil && status < 400 && route != "health" {
+		status = 499
+	}
+	m.HTTPRequests.WithLabelValues(route, metrics.Code(status)).Inc()
+	if route == "health" || route == "metrics" {
+		if ce := log.Check(zap.DebugLevel, "request"); ce != nil {
+			ce.Write(zap.String("request_id", id), zap.String("route", route), zap.Int("status", status))
+		}
+		return
+	}
+	fields := []zap.Field{
+		zap.String("request_id", id),
+		zap.String("route", route),
+		zap.String("method", r.Method),
+		zap.String("path", r.URL.Path),
+		zap.Int("status", status),
+		zap.Int64("bytes", sw.bytes),
+		zap.Duration("duration", time.Since(start)),
+	}
+	if ri.aborted {
+		fields = append(fields, zap.Bool("aborted", true))
+	}
+	if ri.upstream > 0 {
+		fields = append(fields, zap.Duration("upstream_duration", ri.upstream))
+	}
+	if c := ri.chat; c != nil {
+		fields = append(fields,
+			zap.String("model", c.model),
+			zap.Bool("stream", c.stream),
+			zap.Int("messages", c.messages),
+			zap.String("compaction", c.action),
+			zap.Int("context_tokens", c.contextTokens),
+			zap.String("context_source", c.contextSource),
+			zap.Int("forwarded_tokens", c.forwardedTokens),
+		)
+		if c.conversation != "" {
+			fields = append(fields, zap.String("conversation_id", c.conversation))
+		}
+		if c.pairing != "" {
+			fields = append(fields, zap.String("pairing", c.pairing))
+		}
+	}
+	log.Info("request", fields...)
 }

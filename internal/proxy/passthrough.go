@@ -1,6 +1,8 @@
 package proxy
 
 import (
+	"io"
+	"log"
 	"net/http"
 	"net/http/httputil"
 	"strings"
@@ -34,13 +36,18 @@ func (s *Server) passthrough() *httputil.ReverseProxy {
 		},
 		Transport:     s.transport,
 		FlushInterval: -1,
+		// ReverseProxy logs body-copy errors with the Go error string
+		// (internal addresses); the access log says aborted instead.
+		ErrorLog: log.New(io.Discard, "", 0),
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
 			if r.Context().Err() != nil {
 				infoFrom(r.Context()).status = 499
 				return
 			}
-			s.log.Warn("pass-through upstream request failed", zap.String("request_id", infoFrom(r.Context()).id), zap.Error(err))
-			writeError(w, http.StatusBadGateway, "upstream_error", "upstream_unreachable", "", "compactproxy: the upstream could not be reached: "+errorClass(err))
+			f := classifyUpstream(err)
+			s.log.Warn("pass-through upstream request failed", zap.String("request_id", infoFrom(r.Context()).id),
+				zap.String("upstream", logURL(r.URL)), zap.String("error_class", f.code))
+			writeUpstreamFailure(w, f)
 		},
 	}
 }

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/compactproxy/compactproxy/internal/config"
+	"go.uber.org/zap"
 )
 
 // A body exercising everything that must survive untouched: unknown
@@ -283,6 +284,12 @@ func TestRetries(t *testing.T) {
 		{"400 never retried", 3, []int{400}, [2]string{}, 400, 1, ""},
 		{"500 never retried", 3, []int{500}, [2]string{}, 500, 1, ""},
 		{"retry-after beyond max_elapsed", 3, []int{429}, [2]string{"Retry-After", "120"}, 429, 1, ""},
+		// 1e20 s overflowed time.Duration to a negative wait: three tries at once.
+		{"retry-after overflowing a Duration", 3, []int{429}, [2]string{"Retry-After", "100000000000000000000"}, 429, 1, ""},
+		{"retry-after-ms overflowing a Duration", 3, []int{429}, [2]string{"Retry-After-Ms", "1e300"}, 429, 1, ""},
+		{"retry-after out of float range", 3, []int{429}, [2]string{"Retry-After", "1e400"}, 429, 1, ""},
+		{"retry-after malformed", 3, []int{503}, [2]string{"Retry-After", "soon"}, 503, 1, ""},
+		{"retry-after negative", 3, []int{503}, [2]string{"Retry-After", "-5"}, 503, 1, ""},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -377,12 +384,18 @@ func TestClientDisconnectCancelsUpstream(t *testing.T) {
 	t.Error("client disconnect not recorded as 499")
 }
 
+// A stream the upstream breaks off must not reach the client as a clean,
+// complete end (it did: status 200, half an answer, no [DONE], no error).
+// The client gets what arrived, an error event and a broken-off response;
+// usage that arrived is still recorded.
 func TestUpstreamDropsMidStream(t *testing.T) {
 	up := newFakeUpstream(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
 		w.Header().Set("Content-Type", "text/event-stream")
 		sse(w, `{"choices":[{"index":0,"delta":{"content":"one"}}]}`)
+		sse(w, usageChunk)
 		hj, ok := w.(http.Hijacker)
 		if !ok {
+			t.Error("upstream cannot hijack")
 			return
 		}
 		c, _, _ := hj.Hijack()
@@ -392,12 +405,40 @@ func TestUpstreamDropsMidStream(t *testing.T) {
 	resp := p.post(t, "/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"x"}]}`)
 	b, err := io.ReadAll(resp.Body)
 	resp.Body.Close()
-	if err != nil {
-		t.Fatalf("client stream did not end cleanly: %v", err)
+	if err == nil {
+		t.Fatalf("client stream ended cleanly after the upstream broke it off: %q", b)
 	}
 	if !bytes.Contains(b, []byte("one")) {
 		t.Errorf("chunk before the drop lost: %q", b)
 	}
+	if bytes.Contains(b, []byte("[DONE]")) {
+		t.Errorf("client got [DONE] for a broken stream: %q", b)
+	}
+	if !bytes.Contains(b, []byte(`"code":"upstream_connection_closed"`)) {
+		t.Errorf("no error event before the abort: %q", b)
+	}
+	if bytes.Contains(b, []byte(`"usage"`)) {
+		t.Errorf("injected usage reached the client: %q", b)
+	}
+	if v := counter(t, p.reg, "compactproxy_stream_aborts_total", nil); v != 1 {
+		t.Errorf("stream_aborts_total = %v, want 1", v)
+	}
+	if v := counter(t, p.reg, "compactproxy_usage_input_tokens_total", map[string]string{"kind": "uncached"}); v != 50 {
+		t.Errorf("usage that arrived before the drop not recorded: uncached = %v", v)
+	}
+	waitFor(t, func() bool { return p.logs.FilterMessage("request").FilterField(zap.Bool("aborted", true)).Len() == 1 })
+}
+
+// waitFor polls cond for up to 5 s (handlers finish after the client saw
+// the response end).
+func waitFor(t *testing.T, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+		if cond() {
+			return
+		}
+	}
+	t.Fatal("condition not reached within 5s")
 }
 
 func TestAuthWithUpstreamKey(t *testing.T) {

@@ -8,7 +8,6 @@ import (
 	"crypto/rand"
 	"fmt"
 	"net/http"
-	"sync/atomic"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/compaction"
@@ -34,6 +33,7 @@ type Server struct {
 	handler      http.Handler
 	up           upstreamURLs
 	chatURL      string
+	chatLogURL   string // chatURL as logs may show it (scheme, host, path)
 	transport    *http.Transport
 	retrier      *retrier
 	auth         *clientAuth
@@ -54,9 +54,9 @@ type Server struct {
 	summarizerIsUpstream bool
 	sumSem               chan struct{}
 
-	// noStreamOptions is set once the upstream rejected stream_options
-	// (upstream.stream_usage auto).
-	noStreamOptions atomic.Bool
+	// noStreamOptions: model identities whose upstream rejected
+	// stream_options (upstream.stream_usage auto), for discovery_interval.
+	noStreamOptions *streamOptionsMemo
 
 	// prepare runs after parsing and before forwarding (pairing, anchors,
 	// compaction); it returns true when it already answered the client.
@@ -78,14 +78,16 @@ func New(cfg config.Config, log *zap.Logger, reg *prometheus.Registry) (*Server,
 		log = zap.NewNop()
 	}
 	s := &Server{
-		cfg:       cfg,
-		log:       log.Named("proxy"),
-		metrics:   metrics.New(reg),
-		up:        up,
-		chatURL:   join(up.base, "chat/completions").String(),
-		transport: newTransport(),
+		cfg:             cfg,
+		log:             log.Named("proxy"),
+		metrics:         metrics.New(reg),
+		up:              up,
+		chatURL:         join(up.base, "chat/completions").String(),
+		chatLogURL:      logURL(join(up.base, "chat/completions")),
+		noStreamOptions: newStreamOptionsMemo(cfg.Upstream.DiscoveryInterval),
+		transport:       newTransport(),
 	}
-	s.retrier = &retrier{policy: cfg.Retry, client: &http.Client{Transport: s.transport}, metrics: s.metrics}
+	s.retrier = &retrier{policy: cfg.Retry, rt: s.transport, metrics: s.metrics}
 	s.auth = &clientAuth{required: cfg.Upstream.APIKey != "", allowAnonymous: cfg.Auth.AllowAnonymous}
 	for _, k := range cfg.Auth.ClientKeys {
 		s.auth.keys = append(s.auth.keys, []byte(k.Reveal()))

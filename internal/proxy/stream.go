@@ -13,9 +13,11 @@ import (
 	"github.com/compactproxy/compactproxy/internal/anchor"
 )
 
-// readerPool recycles the 64 KiB stream readers: one per streamed response
-// would otherwise be a 64 KiB allocation per request.
-var readerPool = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 64<<10) }}
+// readerPool recycles the stream readers: one per streamed response would
+// otherwise be an allocation per request. 16 KiB holds any ordinary event
+// (longer lines are assembled by readLine); at 64 KiB, the 1,000 concurrent
+// streams of make soak would hold 64 MiB in readers alone.
+var readerPool = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 16<<10) }}
 
 func isEventStream(ct string) bool {
 	mt, _, err := mime.ParseMediaType(ct)
@@ -82,6 +84,76 @@ var (
 	errClientGone = errors.New("proxy: client write failed")
 )
 
+// streamBroken wraps the read error of an upstream stream that ended without
+// a clean end of body (a reset, a cut chunked encoding, a timeout).
+type streamBroken struct{ error }
+
+func (e streamBroken) Unwrap() error { return e.error }
+
+// cutTopLevelKey returns the JSON object data without its top-level member
+// key (the other members keep their bytes and order); ok is false when data
+// is not an object or has no such member.
+func cutTopLevelKey(data []byte, key string) ([]byte, bool) {
+	dec := json.NewDecoder(bytes.NewReader(data))
+	if t, err := dec.Token(); err != nil || t != json.Delim('{') {
+		return nil, false
+	}
+	first := true
+	prevEnd := int(dec.InputOffset()) // just after '{' or after the previous value
+	for dec.More() {
+		t, err := dec.Token()
+		if err != nil {
+			return nil, false
+		}
+		k, _ := t.(string)
+		var v json.RawMessage
+		if err := dec.Decode(&v); err != nil {
+			return nil, false
+		}
+		end := int(dec.InputOffset())
+		if k != key {
+			prevEnd, first = end, false
+			continue
+		}
+		// Not the first member: [prevEnd, end) is `, "key": value`. The
+		// first: it is `"key": value`, and the comma after it goes too.
+		rest := data[end:]
+		if first {
+			trimmed := bytes.TrimLeft(rest, " \t\r\n")
+			if len(trimmed) > 0 && trimmed[0] == ',' {
+				rest = trimmed[1:]
+			}
+		}
+		return append(append([]byte(nil), data[:prevEnd]...), rest...), true
+	}
+	return nil, false
+}
+
+// rebuildEvent replaces the data lines of one SSE event with a single data
+// line carrying data; other lines (id:, event:, comments) are kept.
+func rebuildEvent(ev, data []byte) []byte {
+	var out []byte
+	wrote := false
+	for len(ev) > 0 {
+		i := bytes.IndexByte(ev, '\n')
+		var line []byte
+		if i < 0 {
+			line, ev = ev, nil
+		} else {
+			line, ev = ev[:i+1], ev[i+1:]
+		}
+		if bytes.HasPrefix(line, []byte("data:")) {
+			if !wrote {
+				wrote = true
+				out = append(append(append(out, "data: "...), data...), '\n')
+			}
+			continue
+		}
+		out = append(out, line...)
+	}
+	return out
+}
+
 // usageOnly reports whether a chunk is the usage-only chunk that
 // include_usage adds (choices is an empty array).
 func usageOnly(data []byte) bool {
@@ -134,6 +206,14 @@ func relayEvents(w io.Writer, body io.Reader, hideUsage bool, onUsage func(ancho
 			if hideUsage && usageOnly(data) {
 				skip = true
 				report()
+			} else if hideUsage && bytes.Contains(data, usageKey) {
+				// Some upstreams put the usage the proxy asked for on a
+				// content chunk (or "usage":null on every chunk): the
+				// client did not ask for it, so the field is cut and the
+				// rest of the chunk relayed.
+				if cut, ok := cutTopLevelKey(data, "usage"); ok {
+					ev = rebuildEvent(ev, cut)
+				}
 			}
 		}
 		if skip {
@@ -161,8 +241,10 @@ func relayEvents(w io.Writer, body io.Reader, hideUsage bool, onUsage func(ancho
 			}
 		}
 		if err != nil {
-			// End of stream, clean or not: relay what is left and end the
-			// client's stream cleanly.
+			// End of stream, clean or not: relay what is left and report
+			// usage if any arrived. A read error is returned as
+			// streamBroken: the caller must not end the client's stream as
+			// if it were complete.
 			if werr := emit(ev); werr != nil {
 				return werr
 			}
@@ -170,7 +252,7 @@ func relayEvents(w io.Writer, body io.Reader, hideUsage bool, onUsage func(ancho
 			if err == io.EOF {
 				return nil
 			}
-			return err
+			return streamBroken{err}
 		}
 	}
 }

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bytes"
+	"encoding/json"
 	"strings"
 	"testing"
 
@@ -42,6 +43,10 @@ func TestUsageReportedBeforeDone(t *testing.T) {
 			false, 50, []string{`"usage"`, "[DONE]"}, nil},
 		{"llama.cpp timings in the last chunk", "data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}],\"timings\":{\"prompt_n\":7,\"cache_n\":93,\"predicted_n\":3}}\n\ndata: [DONE]\n\n",
 			true, 100, []string{`"timings"`, "[DONE]"}, nil},
+		{"usage riding on a content chunk", "data: {\"id\":\"c\",\"choices\":[{\"delta\":{\"content\":\"a\"}}],\"usage\":{\"prompt_tokens\":50,\"completion_tokens\":1}}\n\ndata: [DONE]\n\n",
+			true, 50, []string{`{"id":"c","choices":[{"delta":{"content":"a"}}]}`, "[DONE]"}, []string{`"usage"`, "prompt_tokens"}},
+		{"usage null on every chunk, then usage-only", "data: {\"usage\":null,\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: " + usageChunk + "\n\ndata: [DONE]\n\n",
+			true, 50, []string{`{"choices":[{"delta":{"content":"a"}}]}`, "[DONE]"}, []string{`"usage"`}},
 		{"comment lines and CRLF", ": ping\r\n\r\ndata: " + usageChunk + "\r\n\r\ndata: [DONE]\r\n\r\n",
 			false, 50, []string{": ping", "[DONE]"}, nil},
 	}
@@ -71,5 +76,31 @@ func TestUsageReportedBeforeDone(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+func TestCutTopLevelKey(t *testing.T) {
+	cases := []struct{ in, want string }{
+		{`{"usage":{"a":1},"id":"x"}`, `{"id":"x"}`},
+		{`{"id":"x","usage":{"a":1}}`, `{"id":"x"}`},
+		{`{"id":"x","usage":null,"n":2}`, `{"id":"x","n":2}`},
+		{`{ "id" : "x" , "usage" : { "a" : [1,2] } , "n" : 2 }`, `{ "id" : "x" , "n" : 2 }`},
+		{`{"usage":1}`, `{}`},
+		{`{"id":"usage","choices":[{"usage":1}],"usage":{}}`, `{"id":"usage","choices":[{"usage":1}]}`},
+	}
+	for _, tc := range cases {
+		got, ok := cutTopLevelKey([]byte(tc.in), "usage")
+		if !ok || string(got) != tc.want {
+			t.Errorf("cut(%s) = %s, %v; want %s", tc.in, got, ok, tc.want)
+		}
+		var v any
+		if json.Unmarshal(got, &v) != nil {
+			t.Errorf("cut(%s) is not JSON: %s", tc.in, got)
+		}
+	}
+	for _, in := range []string{`{"id":"x"}`, `[1]`, `{"id":`, `{"choices":[{"usage":1}]}`} {
+		if got, ok := cutTopLevelKey([]byte(in), "usage"); ok {
+			t.Errorf("cut(%s) = %s, want no cut", in, got)
+		}
 	}
 }

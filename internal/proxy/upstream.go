@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"math"
 	"math/rand/v2"
 	"net"
 	"net/http"
@@ -73,9 +74,13 @@ func join(base *url.URL, p string) *url.URL {
 // jittered exponential backoff, honouring Retry-After and retry-after-ms, at
 // most Attempts tries and MaxElapsed overall. Timeouts are not retried (a
 // slow prefill would be paid twice); other 4xx never are.
+//
+// Requests go through the transport's RoundTrip, never an http.Client: a
+// client follows redirects (a 301 turns the POST into a GET to another
+// path) and wraps errors in *url.Error, which quotes the URL (CRAFT 14).
 type retrier struct {
 	policy  config.Retry
-	client  *http.Client
+	rt      http.RoundTripper
 	metrics *metrics.Metrics
 	sleep   func(ctx context.Context, d time.Duration) error // nil = real sleep
 }
@@ -98,26 +103,36 @@ func retryReason(resp *http.Response, err error) string {
 	return ""
 }
 
+// neverRetry is the wait reported for a Retry-After that is malformed or
+// larger than any budget: it compares beyond every max_elapsed.
+const neverRetry = time.Duration(math.MaxInt64)
+
 // retryAfter reads retry-after-ms or Retry-After (seconds or an HTTP date).
+// ok reports that the upstream sent one. Values are compared before they
+// are converted, so 1e20 seconds cannot overflow time.Duration into a
+// negative wait; a malformed, negative or huge value is neverRetry: the
+// upstream's answer goes to the client at once (DESIGN § retries).
 func retryAfter(h http.Header, now time.Time) (time.Duration, bool) {
 	if v := h.Get("Retry-After-Ms"); v != "" {
-		if ms, err := strconv.ParseFloat(v, 64); err == nil && ms >= 0 {
-			return time.Duration(ms * float64(time.Millisecond)), true
-		}
+		return fromUnits(v, float64(time.Millisecond)), true
 	}
 	if v := h.Get("Retry-After"); v != "" {
-		if s, err := strconv.ParseFloat(v, 64); err == nil && s >= 0 {
-			return time.Duration(s * float64(time.Second)), true
-		}
 		if t, err := http.ParseTime(v); err == nil {
-			d := t.Sub(now)
-			if d < 0 {
-				d = 0
-			}
-			return d, true
+			return max(t.Sub(now), 0), true
 		}
+		return fromUnits(v, float64(time.Second)), true
 	}
 	return 0, false
+}
+
+// fromUnits converts a non-negative decimal count of units (nanoseconds
+// each) to a Duration, or neverRetry when it is not one or does not fit.
+func fromUnits(v string, unit float64) time.Duration {
+	f, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+	if err != nil || !(f >= 0) || f >= float64(math.MaxInt64)/unit {
+		return neverRetry
+	}
+	return time.Duration(f * unit)
 }
 
 func (r *retrier) backoff(n int) time.Duration {
@@ -159,7 +174,7 @@ func (r *retrier) do(ctx context.Context, op string, mk func() (*http.Request, e
 		if err != nil {
 			return nil, err
 		}
-		resp, err := r.client.Do(req.WithContext(ctx))
+		resp, err := r.rt.RoundTrip(req.WithContext(ctx))
 		reason := retryReason(resp, err)
 		if reason == "" || n >= attempts || ctx.Err() != nil {
 			return resp, err
@@ -170,7 +185,8 @@ func (r *retrier) do(ctx context.Context, op string, mk func() (*http.Request, e
 				delay = d
 			}
 		}
-		if r.policy.MaxElapsed > 0 && time.Since(start)+delay > r.policy.MaxElapsed {
+		// Compared as a difference: time.Since(start)+neverRetry overflows.
+		if delay == neverRetry || (r.policy.MaxElapsed > 0 && delay > r.policy.MaxElapsed-time.Since(start)) {
 			// A Retry-After beyond the budget: the client gets the answer.
 			return resp, err
 		}

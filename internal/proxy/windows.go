@@ -98,8 +98,11 @@ func (s *Server) discover(ctx context.Context) bool {
 		if key := s.cfg.Upstream.APIKey.Reveal(); key != "" {
 			req.Header.Set("Authorization", "Bearer "+key)
 		}
-		resp, err := (&http.Client{Transport: s.transport}).Do(req)
+		// RoundTrip, never an http.Client: a redirect is not followed.
+		resp, err := s.transport.RoundTrip(req)
 		if err != nil {
+			s.log.Debug("context window discovery failed", zap.String("upstream", logURL(req.URL)),
+				zap.String("error", classifyUpstream(err).code))
 			return false
 		}
 		defer resp.Body.Close()

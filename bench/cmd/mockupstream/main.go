@@ -28,6 +28,7 @@ func main() {
 	listen := flag.String("listen", "127.0.0.1:0", "address to bind")
 	addrFile := flag.String("addr-file", "", "write the bound address to this file")
 	latency := flag.Duration("latency", 20*time.Millisecond, "fixed latency before the first response byte")
+	idle := flag.Duration("idle-timeout", 0, "close keep-alive connections idle this long (0: never); the soak uses it to see the proxy's pools drain")
 	flag.Parse()
 
 	ln, err := net.Listen("tcp", *listen)
@@ -49,7 +50,7 @@ func main() {
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, `{"status":"ok"}`) })
 	// No server timeouts: like an LLM server, and so the mock never cuts a
 	// slow proxy off.
-	log.Fatal((&http.Server{Handler: mux}).Serve(ln))
+	log.Fatal((&http.Server{Handler: mux, IdleTimeout: *idle}).Serve(ln))
 }
 
 type mock struct {
@@ -98,6 +99,30 @@ func (m *mock) chat(w http.ResponseWriter, r *http.Request) {
 		fl.Flush()
 	}
 	event(`[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]`, u)
+	// X-Mock-Stream-Duration (the soak): content events every
+	// X-Mock-Stream-Interval (default 500ms) for that long, as a long
+	// generation does. The stream ends early when the client leaves.
+	if d, err := time.ParseDuration(r.Header.Get("X-Mock-Stream-Duration")); err == nil && d > 0 {
+		every, err := time.ParseDuration(r.Header.Get("X-Mock-Stream-Interval"))
+		if err != nil || every <= 0 {
+			every = 500 * time.Millisecond
+		}
+		t := time.NewTicker(every)
+		end := time.After(d)
+	long:
+		for {
+			select {
+			case <-r.Context().Done():
+				t.Stop()
+				return
+			case <-end:
+				break long
+			case <-t.C:
+				event(`[{"index":0,"delta":{"content":"a token or two of a long answer "},"finish_reason":null}]`, u)
+			}
+		}
+		t.Stop()
+	}
 	for _, piece := range []string{"Done: ", "the file was read ", "and the test passes."} {
 		event(`[{"index":0,"delta":{"content":"`+piece+`"},"finish_reason":null}]`, u)
 	}

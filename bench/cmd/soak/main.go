@@ -1,0 +1,363 @@
+// Command soak is the soak test's client (`make soak`, bench/soak.sh; not
+// part of `make test`). In one run it sends the same load twice, first to
+// the mock upstream directly, then through compactproxy:
+//
+//   - -streams concurrent streaming clients for -duration, each stream
+//     5–20 s of events (the mock's X-Mock-Stream-Duration), a share
+//     (-leave) of them leaving mid-stream on purpose;
+//   - a steady trickle of 1 MiB non-stream requests (-trickle apart).
+//
+// It checks every request was answered or aborted correctly, and reports
+// the counts, compactproxy's goroutines (its go_goroutines metric) and RSS
+// (/proc/PID/status) at start, peak and end (after the run drained), and
+// p50/p99 time to first byte of each phase, proxied against direct.
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net/http"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+type counts struct {
+	Started, Completed, LeftOnPurpose, Failed atomic.Int64
+	Big, BigOK, BigFailed                     atomic.Int64
+}
+
+type phase struct {
+	Name          string   `json:"name"`
+	Streams       int64    `json:"streams"`
+	Completed     int64    `json:"completed"`
+	LeftOnPurpose int64    `json:"left_on_purpose"`
+	Failed        int64    `json:"failed"`
+	Big           int64    `json:"big_requests"`
+	BigOK         int64    `json:"big_ok"`
+	BigFailed     int64    `json:"big_failed"`
+	TTFBp50       float64  `json:"ttfb_p50_ms"`
+	TTFBp99       float64  `json:"ttfb_p99_ms"`
+	FirstFailures []string `json:"first_failures,omitempty"`
+}
+
+type sample struct {
+	Goroutines int   `json:"goroutines"`
+	RSSKiB     int64 `json:"rss_kib"`
+	// HeapInuseKiB (go_memstats_heap_inuse_bytes) tells live heap from
+	// memory the runtime has not yet returned to the OS.
+	HeapInuseKiB int64 `json:"heap_inuse_kib"`
+}
+
+func main() {
+	direct := flag.String("direct", "", "mock upstream base URL incl. /v1")
+	proxy := flag.String("proxy", "", "compactproxy base URL incl. /v1")
+	metricsURL := flag.String("metrics", "", "compactproxy /metrics URL")
+	pid := flag.Int("pid", 0, "compactproxy's pid (RSS)")
+	streams := flag.Int("streams", 1000, "concurrent streaming clients")
+	duration := flag.Duration("duration", 60*time.Second, "how long streams are started, per phase")
+	trickle := flag.Duration("trickle", 250*time.Millisecond, "time between 1 MiB non-stream requests")
+	leave := flag.Float64("leave", 0.1, "share of streams whose client leaves mid-stream")
+	drain := flag.Duration("drain", 150*time.Second, "how long to wait for the proxy to settle after the load")
+	out := flag.String("out", "", "write the JSON report here too")
+	flag.Parse()
+
+	big := bigBody()
+	report := struct {
+		Phases []phase `json:"phases"`
+		Start  sample  `json:"start"`
+		Peak   sample  `json:"peak"`
+		End    sample  `json:"end"`
+		Drain  string  `json:"drained_after"`
+		// DrainSamples: the proxy every 30 s while draining.
+		DrainSamples []string `json:"drain_samples"`
+		Verdict      []string `json:"verdict"`
+	}{}
+
+	d := runPhase("direct", *direct, *streams, *duration, *trickle, *leave, big)
+	report.Phases = append(report.Phases, d)
+
+	report.Start = measure(*metricsURL, *pid)
+	peak := report.Start
+	stop := make(chan struct{})
+	var mwg sync.WaitGroup
+	mwg.Add(1)
+	go func() {
+		defer mwg.Done()
+		t := time.NewTicker(500 * time.Millisecond)
+		defer t.Stop()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-t.C:
+				s := measure(*metricsURL, *pid)
+				peak.Goroutines = max(peak.Goroutines, s.Goroutines)
+				peak.RSSKiB = max(peak.RSSKiB, s.RSSKiB)
+				peak.HeapInuseKiB = max(peak.HeapInuseKiB, s.HeapInuseKiB)
+			}
+		}
+	}()
+	p := runPhase("compactproxy", *proxy, *streams, *duration, *trickle, *leave, big)
+	close(stop)
+	mwg.Wait()
+	report.Phases = append(report.Phases, p)
+	report.Peak = peak
+
+	// Drain: the clients' idle connections are closed by runPhase; the
+	// mock closes the proxy's idle upstream connections (-idle-timeout).
+	t0 := time.Now()
+	end := measure(*metricsURL, *pid)
+	nextSample := time.Duration(0)
+	for time.Since(t0) < *drain {
+		end = measure(*metricsURL, *pid)
+		if el := time.Since(t0); el >= nextSample {
+			report.DrainSamples = append(report.DrainSamples, fmt.Sprintf("%s: %d goroutines, %d KiB RSS, %d KiB heap in use", el.Round(time.Second), end.Goroutines, end.RSSKiB, end.HeapInuseKiB))
+			nextSample += 30 * time.Second
+		}
+		// RSS falls only after a GC (forced every 2 min when idle) and
+		// the scavenger returned the pages: wait for both, within -drain.
+		if float64(end.Goroutines) <= 1.1*float64(report.Start.Goroutines) &&
+			float64(end.RSSKiB) <= 1.1*float64(report.Start.RSSKiB) {
+			break
+		}
+		time.Sleep(time.Second)
+	}
+	report.End = end
+	report.Drain = time.Since(t0).Round(time.Second).String()
+
+	ok := true
+	for _, ph := range report.Phases {
+		if ph.Failed > 0 || ph.BigFailed > 0 {
+			ok = false
+			report.Verdict = append(report.Verdict, fmt.Sprintf("%s: %d streams and %d big requests not answered or aborted correctly", ph.Name, ph.Failed, ph.BigFailed))
+		}
+	}
+	if float64(end.Goroutines) > 1.1*float64(report.Start.Goroutines) {
+		ok = false
+		report.Verdict = append(report.Verdict, fmt.Sprintf("goroutines did not settle: %d at start, %d at end", report.Start.Goroutines, end.Goroutines))
+	}
+	if float64(end.RSSKiB) > 1.1*float64(report.Start.RSSKiB) {
+		report.Verdict = append(report.Verdict, fmt.Sprintf("RSS at end %d KiB is more than 10%% over start %d KiB (Go returns freed heap to the OS lazily)", end.RSSKiB, report.Start.RSSKiB))
+	}
+	b, _ := json.MarshalIndent(report, "", "  ")
+	fmt.Println(string(b))
+	fmt.Printf("\nTTFB p50 %.1f ms / p99 %.1f ms through compactproxy vs %.1f / %.1f ms direct (ratio p50 %.2f, p99 %.2f)\n",
+		p.TTFBp50, p.TTFBp99, d.TTFBp50, d.TTFBp99, p.TTFBp50/d.TTFBp50, p.TTFBp99/d.TTFBp99)
+	if *out != "" {
+		_ = os.WriteFile(*out, b, 0o644)
+	}
+	if !ok {
+		os.Exit(1)
+	}
+}
+
+// runPhase runs the load against base and waits for every request to end.
+func runPhase(name, base string, streams int, duration, trickle time.Duration, leave float64, big []byte) phase {
+	tr := &http.Transport{MaxIdleConns: streams + 64, MaxIdleConnsPerHost: streams + 64, IdleConnTimeout: 30 * time.Second}
+	defer tr.CloseIdleConnections()
+	client := &http.Client{Transport: tr}
+	var c counts
+	var mu sync.Mutex
+	var ttfb []time.Duration
+	var failures []string
+	fail := func(format string, args ...any) {
+		mu.Lock()
+		if len(failures) < 10 {
+			failures = append(failures, fmt.Sprintf(format, args...))
+		}
+		mu.Unlock()
+	}
+	deadline := time.Now().Add(duration)
+	var wg sync.WaitGroup
+	for i := range streams {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			// Spread the first requests over two seconds.
+			time.Sleep(time.Duration(i) * 2 * time.Second / time.Duration(streams))
+			for time.Now().Before(deadline) {
+				c.Started.Add(1)
+				d, leaveAfter := 5*time.Second+rand.N(15*time.Second), time.Duration(0)
+				if rand.Float64() < leave {
+					leaveAfter = time.Second + rand.N(3*time.Second)
+				}
+				t, err := oneStream(client, base, d, leaveAfter)
+				switch {
+				case errors.Is(err, errLeft):
+					c.LeftOnPurpose.Add(1)
+				case err != nil:
+					c.Failed.Add(1)
+					fail("stream: %v", err)
+				default:
+					c.Completed.Add(1)
+				}
+				if t > 0 {
+					mu.Lock()
+					ttfb = append(ttfb, t)
+					mu.Unlock()
+				}
+			}
+		}()
+	}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		t := time.NewTicker(trickle)
+		defer t.Stop()
+		var bwg sync.WaitGroup
+		for time.Now().Before(deadline) {
+			<-t.C
+			bwg.Add(1)
+			go func() {
+				defer bwg.Done()
+				c.Big.Add(1)
+				if err := oneBig(client, base, big); err != nil {
+					c.BigFailed.Add(1)
+					fail("1 MiB request: %v", err)
+					return
+				}
+				c.BigOK.Add(1)
+			}()
+		}
+		bwg.Wait()
+	}()
+	wg.Wait()
+	slices.Sort(ttfb)
+	pct := func(q float64) float64 {
+		if len(ttfb) == 0 {
+			return 0
+		}
+		return float64(ttfb[min(len(ttfb)-1, int(q*float64(len(ttfb))))]) / float64(time.Millisecond)
+	}
+	return phase{Name: name, Streams: c.Started.Load(), Completed: c.Completed.Load(), LeftOnPurpose: c.LeftOnPurpose.Load(),
+		Failed: c.Failed.Load(), Big: c.Big.Load(), BigOK: c.BigOK.Load(), BigFailed: c.BigFailed.Load(),
+		TTFBp50: pct(0.50), TTFBp99: pct(0.99), FirstFailures: failures}
+}
+
+var errLeft = errors.New("left on purpose")
+
+// oneStream sends one streaming request; the stream must end with
+// [DONE] unless the client leaves (leaveAfter > 0). It returns the time to
+// the first byte of the body.
+func oneStream(client *http.Client, base string, d, leaveAfter time.Duration) (time.Duration, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), d+30*time.Second)
+	defer cancel()
+	body := `{"model":"bench-model","stream":true,"messages":[{"role":"user","content":"write a long answer"}]}`
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, base+"/chat/completions", strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-Mock-Stream-Duration", d.String())
+	start := time.Now()
+	resp, err := client.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != 200 {
+		return 0, fmt.Errorf("status %d", resp.StatusCode)
+	}
+	br := bufio.NewReader(resp.Body)
+	if _, err := br.Peek(1); err != nil {
+		return 0, fmt.Errorf("no first byte: %w", err)
+	}
+	ttfb := time.Since(start)
+	if leaveAfter > 0 {
+		time.AfterFunc(leaveAfter, cancel)
+	}
+	var last []byte
+	events := 0
+	for {
+		line, err := br.ReadBytes('\n')
+		if len(bytes.TrimSpace(line)) > 0 {
+			last = line
+			events++
+		}
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			if leaveAfter > 0 && ctx.Err() != nil {
+				return ttfb, errLeft
+			}
+			return ttfb, fmt.Errorf("after %d events: %w", events, err)
+		}
+	}
+	if string(bytes.TrimSpace(last)) != "data: [DONE]" {
+		return ttfb, fmt.Errorf("stream ended without [DONE] after %d events", events)
+	}
+	if leaveAfter > 0 && leaveAfter < d {
+		return ttfb, errors.New("a stream outlived its client")
+	}
+	return ttfb, nil
+}
+
+func oneBig(client *http.Client, base string, body []byte) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, base+"/chat/completions", bytes.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := client.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return err
+	}
+	if resp.StatusCode != 200 || !bytes.Contains(b, []byte(`"chat.completion"`)) {
+		return fmt.Errorf("status %d: %.200s", resp.StatusCode, b)
+	}
+	return nil
+}
+
+// bigBody is a 1 MiB agent request: tool calls answered by long outputs.
+func bigBody() []byte {
+	var sb strings.Builder
+	sb.WriteString(`{"model":"bench-model","messages":[{"role":"system","content":"You are a coding agent."},{"role":"user","content":"fix the tests"}`)
+	out := strings.Repeat("a line of tool output that the model reads\\n", 370) // ~16 KiB
+	for i := 0; sb.Len() < 1<<20; i++ {
+		id := "call_" + strconv.Itoa(i)
+		fmt.Fprintf(&sb, `,{"role":"assistant","content":null,"tool_calls":[{"id":%q,"type":"function","function":{"name":"run","arguments":"{}"}}]},{"role":"tool","tool_call_id":%q,"content":"%s"}`, id, id, out)
+	}
+	sb.WriteString(`]}`)
+	return []byte(sb.String())
+}
+
+// measure reads go_goroutines from /metrics and VmRSS of pid.
+func measure(metricsURL string, pid int) sample {
+	var s sample
+	if resp, err := http.Get(metricsURL); err == nil {
+		sc := bufio.NewScanner(resp.Body)
+		for sc.Scan() {
+			if v, ok := strings.CutPrefix(sc.Text(), "go_goroutines "); ok {
+				f, _ := strconv.ParseFloat(v, 64)
+				s.Goroutines = int(f)
+			}
+			if v, ok := strings.CutPrefix(sc.Text(), "go_memstats_heap_inuse_bytes "); ok {
+				f, _ := strconv.ParseFloat(v, 64)
+				s.HeapInuseKiB = int64(f) / 1024
+			}
+		}
+		resp.Body.Close()
+	}
+	if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid)); err == nil {
+		for _, l := range strings.Split(string(b), "\n") {
+			if v, ok := strings.CutPrefix(l, "VmRSS:"); ok {
+				s.RSSKiB, _ = strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+			}
+		}
+	}
+	return s
+}

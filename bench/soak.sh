@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Soak (`make soak`; not part of `make test`): 1,000 concurrent streaming
+# clients for 60 s (each stream 5-20 s of events, a tenth leaving mid-stream)
+# plus a trickle of 1 MiB non-stream requests, first against the mock
+# upstream directly, then through compactproxy, in one run. Reports counts,
+# compactproxy's goroutines and RSS at start/peak/end and p50/p99 TTFB of
+# both phases (bench/cmd/soak). Exit 1 when a request was not answered or
+# aborted correctly, or the goroutines did not settle.
+#
+# Knobs (env): SOAK_STREAMS (1000), SOAK_DURATION (60s), SOAK_TRICKLE (250ms),
+# SOAK_LEAVE (0.1), SOAK_DRAIN (150s: how long the end waits for goroutines
+# and RSS to settle), SOAK_OUT (bench/results/soak.json).
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+streams="${SOAK_STREAMS:-1000}"
+duration="${SOAK_DURATION:-60s}"
+trickle="${SOAK_TRICKLE:-250ms}"
+leave="${SOAK_LEAVE:-0.1}"
+drain="${SOAK_DRAIN:-150s}"
+out="${SOAK_OUT:-$root/bench/results/soak.json}"
+mkdir -p "$(dirname "$out")"
+
+# Each proxied stream holds a client and an upstream socket; the mock holds
+# one per stream of both phases.
+ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
+
+work="$(mktemp -d "${TMPDIR:-/tmp}/compactproxy-soak.XXXXXX")"
+pids=()
+cleanup() {
+	local pid
+	for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+	for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+	rm -rf "$work"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+log() { echo "soak: $*" >&2; }
+
+wait_file() {
+	local i
+	for i in $(seq 1 200); do
+		[ -s "$1" ] && return 0
+		kill -0 "$2" 2>/dev/null || return 1
+		sleep 0.05
+	done
+	return 1
+}
+
+log "building into $work (ulimit -n $(ulimit -n))"
+go build -o "$work/" ./bench/cmd/mockupstream ./bench/cmd/soak ./bench/cmd/loadgen
+CGO_ENABLED=0 go build -o "$work/compactproxy" ./cmd/compactproxy
+
+# The mock closes idle keep-alive connections after 5 s, so the proxy's
+# upstream pool drains and the end figures show what the proxy still holds.
+"$work/mockupstream" -latency 20ms -idle-timeout 5s -addr-file "$work/mock.addr" >"$work/mock.log" 2>&1 &
+pids+=($!)
+wait_file "$work/mock.addr" "${pids[-1]}" || { log "mock did not start"; cat "$work/mock.log" >&2; exit 1; }
+mock="$(cat "$work/mock.addr")"
+
+port="$("$work/loadgen" -freeport)"
+unset_args=()
+while IFS= read -r name; do unset_args+=(-u "$name"); done < <(env | sed -n 's/^\(COMPACTPROXY_[A-Za-z0-9_]*\)=.*/\1/p')
+(
+	cd "$work"
+	exec env "${unset_args[@]}" \
+		COMPACTPROXY_LISTEN="127.0.0.1:$port" \
+		COMPACTPROXY_UPSTREAM_URL="http://$mock/v1" \
+		COMPACTPROXY_UPSTREAM_CONTEXT_WINDOW=1000000 \
+		COMPACTPROXY_LOG_LEVEL=warn \
+		./compactproxy
+) >"$work/compactproxy.log" 2>&1 &
+cpid=$!
+pids+=("$cpid")
+for _ in $(seq 1 150); do
+	curl -fsS -o /dev/null --max-time 1 "http://127.0.0.1:$port/healthz" 2>/dev/null && break
+	kill -0 "$cpid" 2>/dev/null || { log "compactproxy exited"; cat "$work/compactproxy.log" >&2; exit 1; }
+	sleep 0.1
+done
+
+log "mock http://$mock  compactproxy http://127.0.0.1:$port (pid $cpid); $streams streams for $duration per phase"
+set +e
+timeout --kill-after=10s 900s "$work/soak" -direct "http://$mock/v1" -proxy "http://127.0.0.1:$port/v1" \
+	-metrics "http://127.0.0.1:$port/metrics" -pid "$cpid" \
+	-streams "$streams" -duration "$duration" -trickle "$trickle" -leave "$leave" -drain "$drain" -out "$out"
+rc=$?
+set -e
+log "compactproxy log lines by message:"
+sed -n 's/.*"msg":"\([^"]*\)".*/\1/p' "$work/compactproxy.log" | sort | uniq -c | sort -rn | head >&2 || true
+exit "$rc"
