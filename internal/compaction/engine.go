@@ -430,11 +430,28 @@ func (r *run) compact() Output {
 		if p.sum != nil {
 			headStart = p.sum.Cut
 		}
-		r.tail = r.extendTail(r.tail, headStart, out.Fixed, int(float64(room)*cfg.TailRatio))
+		r.tail = r.extendTail(r.tail, headStart, out.Fixed, r.tailLimit(out))
 		cur = r.decide(&p, cur, out.Budget, out.Target)
 	}
 	return r.finish(out, p, cur)
 }
+
+// tailLimit is how far the verbatim tail may extend beyond its floor:
+// tail_ratio of the room, but never so far that a summary of
+// summary_min_tokens (with its label) no longer fits under the target. At
+// a 2k window the extended tail alone would otherwise leave the summary no
+// room, and the view would land over the target, be summarized again at
+// the next step, or be dropped instead.
+func (r *run) tailLimit(out Output) int {
+	cfg := r.e.cfg
+	room := out.Budget - out.Fixed
+	label := int(float64(len(summaryLabel)+len(ackText))/bytesPerToken*r.ratio) + 2*anchorMessageOverhead
+	return min(int(float64(room)*cfg.TailRatio), out.Target-out.Fixed-cfg.SummaryMinTokens-label)
+}
+
+// anchorMessageOverhead is the template's cost of a message, as the local
+// estimator counts it.
+const anchorMessageOverhead = anchor.MessageOverheadTokens
 
 // extendTail moves the cut back by whole turns (to earlier messages that
 // are not tool results) while the tail, estimated with the leading system
@@ -773,8 +790,7 @@ func (r *run) presummarize(out Output, p plan, cur int) Output {
 	if p.sum != nil {
 		headStart = p.sum.Cut
 	}
-	room := out.Budget - out.Fixed
-	r.tail = r.extendTail(r.tail, headStart, out.Fixed, int(float64(room)*cfg.TailRatio))
+	r.tail = r.extendTail(r.tail, headStart, out.Fixed, r.tailLimit(out))
 	if ps := r.st.Pending; ps != nil && r.chain && ps.Lead == r.lead && ps.Cut > headStart && ps.Cut < r.n &&
 		r.in.Chain[ps.Cut] == ps.Head {
 		// The background summary made at an earlier step still applies:
