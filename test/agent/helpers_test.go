@@ -8,8 +8,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/compactproxy/compactproxy/test/internal/testproc"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -22,27 +22,13 @@ import (
 	"time"
 )
 
-// skipOrFail skips with the reason, except under CI=true, where a missing
-// tool is a broken CI image and must fail.
-func skipOrFail(t *testing.T, format string, args ...any) {
-	t.Helper()
-	if os.Getenv("CI") == "true" {
-		t.Fatalf("CI=true: "+format, args...)
-	}
-	t.Skipf(format, args...)
-}
-
-func repoRoot(t *testing.T) string {
-	t.Helper()
-	root, err := filepath.Abs(filepath.Join("..", ".."))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := os.Stat(filepath.Join(root, "go.mod")); err != nil {
-		t.Fatalf("repo root %s: %v", root, err)
-	}
-	return root
-}
+// Shared with the other end-to-end packages (test/internal/testproc).
+var (
+	skipOrFail  = testproc.SkipOrFail
+	repoRoot    = testproc.RepoRoot
+	buildBinary = testproc.BuildBinary
+	freeAddr    = testproc.FreeAddr
+)
 
 // ensureAgentDeps checks node and installs the agent when needed.
 func ensureAgentDeps(t *testing.T, root string) {
@@ -67,23 +53,6 @@ func ensureAgentDeps(t *testing.T, root string) {
 		}
 		t.Fatalf("scripts/agent-deps.sh: %v\n%s", err, out)
 	}
-}
-
-// buildBinary builds ./cmd/compactproxy into a temporary directory.
-func buildBinary(t *testing.T, root string) string {
-	t.Helper()
-	bin := filepath.Join(t.TempDir(), "compactproxy")
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, "go", "build", "-o", bin, "./cmd/compactproxy")
-	cmd.Dir = root
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-	start := time.Now()
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("go build ./cmd/compactproxy: %v\n%s", err, out)
-	}
-	t.Logf("go build ./cmd/compactproxy took %v", time.Since(start).Round(time.Millisecond))
-	return bin
 }
 
 // lockedBuffer collects a process's output; exec writes to it from a
@@ -143,17 +112,6 @@ func (p *proxyProc) stop(d time.Duration) error {
 		}
 	})
 	return p.stopErr
-}
-
-// freeAddr returns a 127.0.0.1 address with a port free right now.
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
 }
 
 // startProxy runs the binary configured by environment alone, in an empty

@@ -2,14 +2,13 @@ package llama
 
 import (
 	"bytes"
-	"context"
 	"encoding/json"
 	"fmt"
+	"github.com/compactproxy/compactproxy/test/internal/testproc"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -18,49 +17,16 @@ import (
 	"time"
 )
 
-// The process helpers follow test/e2e (buildBinary, startProxy, freeAddr);
-// they are copied, not shared, because Go test files of another package
-// cannot be imported.
+// Shared with the other end-to-end packages (test/internal/testproc).
+var (
+	repoRoot    = testproc.RepoRoot
+	buildBinary = testproc.BuildBinary
+	freeAddr    = testproc.FreeAddr
+)
 
-func repoRoot(t *testing.T) string {
-	t.Helper()
-	root, err := filepath.Abs(filepath.Join("..", ".."))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := os.Stat(filepath.Join(root, "go.mod")); err != nil {
-		t.Fatalf("repo root %s: %v", root, err)
-	}
-	return root
-}
-
-// buildBinary builds ./cmd/compactproxy into a temporary directory.
-func buildBinary(t *testing.T, root string) string {
-	t.Helper()
-	bin := filepath.Join(t.TempDir(), "compactproxy")
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, "go", "build", "-o", bin, "./cmd/compactproxy")
-	cmd.Dir = root
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-	start := time.Now()
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("go build ./cmd/compactproxy: %v\n%s", err, out)
-	}
-	t.Logf("go build ./cmd/compactproxy took %v", time.Since(start).Round(time.Millisecond))
-	return bin
-}
-
-// freeAddr returns a 127.0.0.1 address with a port free right now.
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
-}
+// The process type below differs from test/e2e's proxy on purpose: it also
+// runs llama-server, with a parent-death signal so that none outlives go
+// test.
 
 // lockedBuffer collects a process's output (or a response body); one
 // goroutine writes while the test may read.

@@ -14,7 +14,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"net"
+	"github.com/compactproxy/compactproxy/test/internal/testproc"
 	"net/http"
 	"os"
 	"os/exec"
@@ -25,15 +25,12 @@ import (
 	"time"
 )
 
-// skipOrFail skips with the reason, except under CI=true, where a missing
-// tool is a broken CI image and must fail.
-func skipOrFail(t *testing.T, format string, args ...any) {
-	t.Helper()
-	if os.Getenv("CI") == "true" {
-		t.Fatalf("CI=true: "+format, args...)
-	}
-	t.Skipf(format, args...)
-}
+// Shared with the other end-to-end packages (test/internal/testproc).
+var (
+	skipOrFail = testproc.SkipOrFail
+	repoRoot   = testproc.RepoRoot
+	freeAddr   = testproc.FreeAddr
+)
 
 // lookTool finds a binary of Debian's prometheus package.
 func lookTool(name string) (string, error) { return exec.LookPath(name) }
@@ -46,29 +43,6 @@ func needTool(t *testing.T, name string) string {
 		skipOrFail(t, "%s is not installed (scripts/ops-deps.sh installs Debian's prometheus package)", name)
 	}
 	return p
-}
-
-func repoRoot(t *testing.T) string {
-	t.Helper()
-	root, err := filepath.Abs(filepath.Join("..", ".."))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := os.Stat(filepath.Join(root, "go.mod")); err != nil {
-		t.Fatalf("repo root %s: %v", root, err)
-	}
-	return root
-}
-
-// freeAddr returns a free 127.0.0.1 port as host:port.
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
 }
 
 // lockedBuffer collects a process's output; exec writes to it from a
