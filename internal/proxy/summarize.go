@@ -249,45 +249,55 @@ func leaseName(key string, ls []compaction.Lineage, li int) string {
 // failed, the client left, or the wait found nothing new); the caller
 // forwards the dry run's view.
 func (s *Server) summarizeShared(ctx context.Context, r *http.Request, reqID string, run *engineRun, conv store.Conversation, li int, model string) (compaction.Output, bool) {
-	name := leaseName(run.cv.key, conv.Lineages, li)
-	fl, leader := s.flights.join(name)
-	if leader {
-		// Everything the detached run reads is its own: the request's
-		// body buffer is pooled and reused once the handler returns.
-		sctx := s.summarizeContext(context.WithoutCancel(ctx), r, model)
-		own := *run
-		own.view = detachMessages(run.view)
-		own.chain = slices.Clone(run.chain)
-		own.cv = &conversation{id: run.cv.id, key: run.cv.key, identity: run.cv.identity,
-			memo: &chainMemo{s: s, seed: run.cv.memo.seed}}
-		go s.summarizeFlight(sctx, reqID, name, fl, &own)
+	// A request that waited on another request's (or a background)
+	// summary of its lineage and still needs one (that summary covered an
+	// older head) leads a summarize of its own once: falling back to the
+	// trim-only view would drop while the summarizer works.
+	for attempt := 0; ; attempt++ {
+		name := leaseName(run.cv.key, conv.Lineages, li)
+		fl, leader := s.flights.join(name)
+		if leader {
+			// Everything the detached run reads is its own: the request's
+			// body buffer is pooled and reused once the handler returns.
+			sctx := s.summarizeContext(context.WithoutCancel(ctx), r, model)
+			own := *run
+			own.view = detachMessages(run.view)
+			own.chain = slices.Clone(run.chain)
+			own.cv = &conversation{id: run.cv.id, key: run.cv.key, identity: run.cv.identity,
+				memo: &chainMemo{s: s, seed: run.cv.memo.seed}}
+			go s.summarizeFlight(sctx, reqID, name, fl, &own)
+		}
+		select {
+		case <-fl.done:
+		case <-ctx.Done():
+			return compaction.Output{}, false
+		}
+		if leader {
+			return fl.out, fl.ok
+		}
+		if !fl.ok {
+			return compaction.Output{}, false
+		}
+		// Another request's summary of this lineage: re-read the state and
+		// re-apply it to this request's own view (no summarize call).
+		var loaded bool
+		conv, loaded = s.loadConversation(ctx, reqID, run.cv.key)
+		if !loaded {
+			return compaction.Output{}, false
+		}
+		li = compaction.SelectLineage(conv.Lineages, run.chain)
+		out := s.runEngine(ctx, run, conv, li, false)
+		if out.Action == compaction.ActionSummarizePending {
+			if attempt == 0 {
+				continue
+			}
+			return compaction.Output{}, false
+		}
+		if run.o.commit {
+			s.commitRun(ctx, reqID, run, conv, li, out, false)
+		}
+		return out, true
 	}
-	select {
-	case <-fl.done:
-	case <-ctx.Done():
-		return compaction.Output{}, false
-	}
-	if leader {
-		return fl.out, fl.ok
-	}
-	if !fl.ok {
-		return compaction.Output{}, false
-	}
-	// Another request's summary of this lineage: re-read the state and
-	// re-apply it to this request's own view (no summarize call).
-	conv, loaded := s.loadConversation(ctx, reqID, run.cv.key)
-	if !loaded {
-		return compaction.Output{}, false
-	}
-	li = compaction.SelectLineage(conv.Lineages, run.chain)
-	out := s.runEngine(ctx, run, conv, li, false)
-	if out.Action == compaction.ActionSummarizePending {
-		return compaction.Output{}, false
-	}
-	if run.o.commit {
-		s.commitRun(ctx, reqID, run, conv, li, out, false)
-	}
-	return out, true
 }
 
 // summarizeFlight is the detached summarize: lease, re-read (another
@@ -414,6 +424,8 @@ func (s *Server) presummarize(ctx context.Context, r *http.Request, reqID string
 			}
 		}
 		s.commitRun(rctx, reqID, &run, conv, li, out, false)
+		// Requests that joined this flight re-read the stored state.
+		fl.ok = true
 	}()
 }
 

@@ -49,6 +49,7 @@ type stepFigures struct {
 	attempts     int    // forwarded requests for this step (2 = a retry)
 	attStatus    string // their statuses, e.g. "503,200"
 	summarizes   int    // summarize calls that began during this step
+	upMS         int64  // wall time of this step's forwarded calls at llama-server
 	fwdMsgs      int
 	fwdBytes     int
 	rep          reported // of the last forwarded attempt
@@ -265,6 +266,9 @@ func computeFigures(t *testing.T, cfg llamaConfig, ls *llamaServer, cs []clientS
 					r.finalOK = false
 				}
 			}
+			if !c.end.IsZero() {
+				r.upMS += c.end.Sub(c.start).Milliseconds()
+			}
 			rep := parseReported(c.resp.Bytes())
 			if st.n >= 2 && rep.PromptTokens > 0 {
 				f.sumPrompt += rep.PromptTokens
@@ -477,7 +481,7 @@ func (f *figures) render() string {
 	}
 	sort.Strings(ms)
 	w("metrics (non-zero): %s", strings.Join(ms, "; "))
-	w("step  strm  max_tok  cmsg  fmsg  status  action      src     ctx_tok  fwd_tok  prompt  cached  p_n   c_n   err%%   class     att  sum  ms     latest  view (s system, F first ask, L latest instruction, u user, a text, c calls, t tool)")
+	w("step  strm  max_tok  cmsg  fmsg  status  action      src     ctx_tok  fwd_tok  prompt  cached  p_n   c_n   err%%   class     att  sum  ms     up_ms  pr_ms  latest  view (s system, F first ask, L latest instruction, u user, a text, c calls, t tool)")
 	for _, r := range f.rows {
 		strm := "-"
 		if r.shape.stream {
@@ -506,9 +510,9 @@ func (f *figures) render() string {
 		if r.class != "" {
 			errs = fmt.Sprintf("%+6.1f", r.errPct)
 		}
-		w("%4d  %-4s  %7d  %4d  %4d  %6d  %-10s  %-6s  %7d  %7d  %6d  %6d  %4d  %4d  %s  %-8s  %3d  %3d  %5d  %s%s  %s",
+		w("%4d  %-4s  %7d  %4d  %4d  %6d  %-10s  %-6s  %7d  %7d  %6d  %6d  %4d  %4d  %s  %-8s  %3d  %3d  %5d  %5d  %5.0f  %s%s  %s",
 			r.n, strm, r.shape.maxTokens, r.clientMsgs, r.fwdMsgs, r.status, r.action, r.source, r.context, r.forwarded,
-			r.rep.PromptTokens, r.rep.CachedTokens, r.rep.PromptN, r.rep.CacheN, errs, r.class, r.attempts, r.summarizes, r.dur.Milliseconds(), lat, extra, r.view)
+			r.rep.PromptTokens, r.rep.CachedTokens, r.rep.PromptN, r.rep.CacheN, errs, r.class, r.attempts, r.summarizes, r.dur.Milliseconds(), r.upMS, r.rep.PromptMS, lat, extra, r.view)
 	}
 	if len(f.sums) > 0 {
 		w("summarize calls:  seq  step  status  measured  reported  cached  max_tokens  generated  msgs  bytes  tools  last=user  ms")

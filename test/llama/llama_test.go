@@ -274,6 +274,9 @@ func runLoop(t *testing.T, env llamaEnv, cfg llamaConfig, bin string, ws []wsFil
 	calls := rec.snapshot()
 	f := computeFigures(t, cfg, ls, cs, calls, metrics, tools, script, msgs)
 	f.duration = time.Since(began)
+	if os.Getenv("LLAMA_PROXY_LOG") != "" {
+		t.Logf("compactproxy log:\n%s", proxy.log.tail(1<<20))
+	}
 	if f.non200 > 0 || len(f.pairingBad) > 0 {
 		t.Logf("compactproxy log (tail):\n%s", proxy.log.tail(6000))
 	}

@@ -169,7 +169,7 @@ func startLlama(t *testing.T, env llamaEnv, cfg llamaConfig) *llamaServer {
 	// packages in parallel) it evaluated prompts 1.5–2x faster than two.
 	threads := os.Getenv("LLAMA_THREADS")
 	if threads == "" {
-		threads = "1"
+		threads = "2"
 	}
 	args = append(args, "-t", threads)
 	cmd := exec.Command(env.server, args...)

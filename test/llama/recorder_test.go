@@ -58,10 +58,11 @@ func (b closeRecorder) Close() error {
 
 // reported is what llama-server said about one call.
 type reported struct {
-	PromptTokens  int // usage.prompt_tokens (includes cached); -1 = not reported
-	CachedTokens  int // usage.prompt_tokens_details.cached_tokens
-	PromptN       int // timings.prompt_n (evaluated now)
-	CacheN        int // timings.cache_n (reused from the KV cache)
+	PromptTokens  int     // usage.prompt_tokens (includes cached); -1 = not reported
+	CachedTokens  int     // usage.prompt_tokens_details.cached_tokens
+	PromptN       int     // timings.prompt_n (evaluated now)
+	CacheN        int     // timings.cache_n (reused from the KV cache)
+	PromptMS      float64 // timings.prompt_ms (time spent evaluating the prompt)
 	Completion    int
 	ErrType       string // error.type on a non-200
 	NPromptTokens int    // exceed_context_size_error: n_prompt_tokens
@@ -174,8 +175,9 @@ func parseReported(body []byte) reported {
 				} `json:"prompt_tokens_details"`
 			} `json:"usage"`
 			Timings *struct {
-				PromptN int `json:"prompt_n"`
-				CacheN  int `json:"cache_n"`
+				PromptN  int     `json:"prompt_n"`
+				CacheN   int     `json:"cache_n"`
+				PromptMS float64 `json:"prompt_ms"`
 			} `json:"timings"`
 			Error *struct {
 				Type          string `json:"type"`
@@ -194,7 +196,7 @@ func parseReported(body []byte) reported {
 			}
 		}
 		if v.Timings != nil {
-			rep.PromptN, rep.CacheN = v.Timings.PromptN, v.Timings.CacheN
+			rep.PromptN, rep.CacheN, rep.PromptMS = v.Timings.PromptN, v.Timings.CacheN, v.Timings.PromptMS
 		}
 		if v.Error != nil {
 			rep.ErrType, rep.NPromptTokens, rep.NCtx = v.Error.Type, v.Error.NPromptTokens, v.Error.NCtx
