@@ -607,9 +607,9 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 	}
 
 	// 2. Summarize the head when trim could not reach the target.
-	if cfg.SummarizerEnabled && r.e.sum != nil && r.chain && r.tail > headStart && r.tail < r.n {
+	if cfg.SummarizerEnabled && r.e.sum != nil && r.chain && r.tail < r.n && (r.tail > headStart || cur > budget) {
 		var summarized bool
-		if cur, summarized = r.summarize(p, cur, headStart, budget, target); summarized {
+		if cur, summarized = r.summarize(p, cur, headStart, budget, target); summarized && cur <= budget {
 			return cur // no drop while a summary fits
 		}
 		// A dry run that would summarize goes on: its view (without the
@@ -847,16 +847,6 @@ func (r *run) prefixView(p plan, cut int) []chat.Message {
 // estimate of the resulting plan and whether a summary now applies.
 func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool) {
 	cfg := r.e.cfg
-	cut := r.tail
-	ask, inline := r.askFor(cut)
-	next := r.msgs[cut].Role
-	if ask >= 0 && !inline {
-		next = "user"
-	}
-	cand := &Summary{
-		Cut: cut, Head: r.in.Chain[cut], Lead: r.lead,
-		Ack: next == "user", Ask: ask, AskInline: inline,
-	}
 	// withSummary replaces the head by s under the trims after the cut; the
 	// drops after the cut are kept, those in the head are covered by it.
 	withSummary := func(base plan, s *Summary) plan {
@@ -873,32 +863,82 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 		}
 		return q
 	}
-	// The summary's room: the target minus the view without the head
+	// measure sizes a summary with the verbatim tail from cut on: the
+	// summary's room is the target minus the view without the head
 	// (system messages, the summary's label, acknowledgement, ask, tail).
-	base := withSummary(*p, cand)
-	withoutHead := r.est(r.view(base))
+	measure := func(cut int) (cand *Summary, base plan, withoutHead, room int) {
+		ask, inline := r.askFor(cut)
+		next := r.msgs[cut].Role
+		if ask >= 0 && !inline {
+			next = "user"
+		}
+		cand = &Summary{
+			Cut: cut, Head: r.in.Chain[cut], Lead: r.lead,
+			Ack: next == "user", Ask: ask, AskInline: inline,
+		}
+		base = withSummary(*p, cand)
+		withoutHead = r.est(r.view(base))
+		room = target - withoutHead
+		if room < cfg.SummaryMinTokens {
+			// Excerpt the tail's oldest long tool results (never the final
+			// message) and measure again; then accept the budget.
+			if cands := r.trimCandidates(base, cut, r.n-1, 0); len(cands) > 0 {
+				r.applyTrims(&base, cands, tightKeep, target-cfg.SummaryMinTokens)
+				room = target - r.est(r.view(base))
+			}
+			if room < cfg.SummaryMinTokens {
+				room = budget - r.est(r.view(base))
+			}
+		}
+		return cand, base, withoutHead, room
+	}
+	cut := r.tail
+	var cand *Summary
+	var base plan
+	withoutHead, room := 0, -1
+	if cut > headStart {
+		cand, base, withoutHead, room = measure(cut)
+	} else {
+		// The tail's floor covers everything since the previous cut and
+		// the view is over the budget: only a later cut can help.
+		cut = headStart
+	}
+	if room < cfg.SummaryMinTokens {
+		// The tail's floor itself leaves no summary room (a small window
+		// with a large fixed part: keep_tail spans two turns). Its older
+		// turns go into the summary, never past the final message's turn:
+		// otherwise they would be dropped, and their content lost.
+		final := r.n - 1
+		for final > cut && isToolRole(r.msgs[final].Role) {
+			final--
+		}
+		for c := cut + 1; c <= final && room < cfg.SummaryMinTokens; c++ {
+			if c <= headStart {
+				continue
+			}
+			if isToolRole(r.msgs[c].Role) {
+				continue
+			}
+			if cc, cb, cw, cr := measure(c); cr >= cfg.SummaryMinTokens {
+				cut, cand, base, withoutHead, room = c, cc, cb, cw, cr
+			}
+		}
+		if cand == nil {
+			return cur, false
+		}
+		r.tail = cut
+	}
 	// A summary can only pay for itself when it is smaller than what it
 	// replaces: the head as forwarded now.
 	headTokens := cur - withoutHead
-	room := target - withoutHead
-	if room < cfg.SummaryMinTokens {
-		// Excerpt the tail's oldest long tool results (never the final
-		// message) and measure again; then accept the budget.
-		if cands := r.trimCandidates(base, cut, r.n-1, 0); len(cands) > 0 {
-			r.applyTrims(&base, cands, tightKeep, target-cfg.SummaryMinTokens)
-			room = target - r.est(r.view(base))
-		}
-		if room < cfg.SummaryMinTokens {
-			room = budget - r.est(r.view(base))
-		}
-	}
 	// What a new summary would take in beyond the previous one: the head
 	// messages after the previous cut, as forwarded. Folding less than
 	// summary_min_tokens of them is not worth a model call (a view that
 	// stays over the trigger after a summary would otherwise be summarized
-	// again at every step).
+	// again at every step), unless the view is over the budget: then the
+	// alternative is a drop, and a summary that fits comes first.
 	fresh := r.est(r.prefixView(*p, cut)) - r.est(r.prefixView(*p, headStart))
-	if room < cfg.SummaryMinTokens || headTokens < cfg.SummaryMinTokens || fresh < cfg.SummaryMinTokens {
+	if room < cfg.SummaryMinTokens || headTokens < cfg.SummaryMinTokens || (fresh < cfg.SummaryMinTokens && cur <= budget) {
 		return cur, false // no summary fits: step 4
 	}
 	limit := min(cfg.SummaryTokens, room, headTokens)

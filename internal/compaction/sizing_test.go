@@ -228,3 +228,44 @@ func TestPresummarize(t *testing.T) {
 		break
 	}
 }
+
+// A large fixed part (a tools-heavy system turn) leaves a room of a few
+// steps: after a summary, one new turn can take the view over the budget
+// while keep_tail's floor (two single-call turns) covers everything since
+// the previous cut, or leaves the summary no room. The floor's older turn
+// then goes into the summary instead of being dropped: while the
+// summarizer works and a summary fits, no step drops.
+func TestFloorOverBudgetSummarizes(t *testing.T) {
+	for _, c := range []struct{ win, fixed, size int }{
+		{2048, 3500, 1000}, {2048, 3500, 1300}, {4096, 5000, 2200}, {4096, 5000, 2800},
+	} {
+		t.Run(fmt.Sprint(c.win, "-", c.size), func(t *testing.T) {
+			cfg := baseConfig()
+			cfg.MinInterval = 0
+			cfg.ReserveTokens = 4096
+			cfg.SummaryTokens = 256
+			cfg.SummaryMinTokens = 96
+			cfg.TailRatio = 0.3
+			sum := okSummarizer()
+			s := &session{tb: t, e: New(cfg, sum, newClock()), win: c.win}
+			conv := []msg{sysMsg(blob("tools", c.fixed)), userMsg(ask)}
+			for step := 0; step < 40; step++ {
+				id := fmt.Sprintf("q%d", step)
+				conv = append(conv, callMsg("", id+`:read:{}`), toolMsg(id, blob(id, c.size)))
+				msgs := parse(t, conv)
+				out := s.step(msgs)
+				checkView(t, msgs, out)
+				if slices.Contains(out.Events.NewActions, ActionDropped) {
+					t.Fatalf("step %d: dropped while the summarizer works (forwarded %d, budget %d, %d summaries so far)",
+						step, out.Forwarded, out.Budget, sum.Calls())
+				}
+				if out.Forwarded > out.Budget {
+					t.Fatalf("step %d: forwarded %d over the budget %d", step, out.Forwarded, out.Budget)
+				}
+			}
+			if sum.Calls() == 0 {
+				t.Fatal("no summary made")
+			}
+		})
+	}
+}

@@ -503,6 +503,13 @@ func (s *Server) countCompaction(reqID string, out compaction.Output) {
 		fields := []zap.Field{zap.String("request_id", reqID), zap.String("action", string(out.Action)),
 			zap.Int("context_tokens", out.Context.Tokens), zap.Int("forwarded_tokens", out.Forwarded),
 			zap.Int("budget", out.Budget)}
+		if len(ev.NewActions) > 0 {
+			acts := make([]string, len(ev.NewActions))
+			for i, a := range ev.NewActions {
+				acts[i] = string(a)
+			}
+			fields = append(fields, zap.Strings("new_actions", acts))
+		}
 		if ev.SummaryError != nil {
 			fields = append(fields, zap.String("summarize_error", summarizeErrorKind(ev.SummaryError)))
 		}

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"strconv"
 	"testing"
 	"time"
 )
@@ -49,5 +50,53 @@ func TestPresummarizeKeepsSummarizeOffTheCriticalPath(t *testing.T) {
 	t.Logf("presummarize off: crossing request %s in %v, summarize calls during it %d", action, took, during)
 	if action != "summarized" || during != 1 {
 		t.Fatalf("without presummarize: %q with %d calls during it, want summarized by its own call", action, during)
+	}
+}
+
+// A request that arrives while a background summary of its lineage is
+// still running waits for it and re-applies it (or, when that summary
+// covered an older head, leads one of its own): it never falls back to
+// the trim-only view, which excerpts or drops while the summarizer works.
+func TestRequestJoiningBackgroundSummaryUsesIt(t *testing.T) {
+	up := countingUpstream(t)
+	sum := newSummarizerServer(t)
+	sum.delay = 300 * time.Millisecond
+	cfg := compactionConfig(up.URL, sum.URL)
+	cfg.Compaction.PresummarizeRatio = 0.5
+	cfg.Compaction.MinInterval = 0
+	cfg.Compaction.Trim.ToolResultTokens = 1 << 20 // no trimming: only a summary or a drop helps
+	// A trigger close to the budget and a one-turn tail: a request in the
+	// presummarize band (≥ 1,755 tokens) is followed by one over the
+	// budget (3,500), sent at once while the background summary runs.
+	cfg.Compaction.TriggerRatio = 0.95
+	cfg.Compaction.KeepTail = 1
+	p := newTestProxy(t, cfg)
+	a := newAgent()
+	summarized := 0
+	for step := 0; step < 12; step++ {
+		a.toolStep(4800) // ~1,200 tokens a step
+		resp := p.chatOK(t, a.body())
+		t.Logf("step %d: context %s forwarded %s %s", step, resp.Header.Get("X-Compactproxy-Context-Tokens"), resp.Header.Get("X-Compactproxy-Forwarded-Tokens"), resp.Header.Get("X-Compactproxy-Compaction"))
+		got := resp.Header.Get("X-Compactproxy-Compaction")
+		ctx, _ := strconv.Atoi(resp.Header.Get("X-Compactproxy-Context-Tokens"))
+		if ctx >= 3325 && got != "summarized" && got != "reused" {
+			// Trim-only (tight excerpts) or a drop while the summarizer
+			// works: the request did not use the background summary.
+			t.Fatalf("step %d: context %d over the trigger forwarded %q, want the background summary", step, ctx, got)
+		}
+		if got == "summarized" || got == "reused" {
+			summarized++
+		}
+	}
+	p.srv.flights.waitBackground()
+	if v := counter(t, p.reg, "compactproxy_compactions_total", map[string]string{"action": "dropped"}); v != 0 {
+		t.Errorf("compactions_total{dropped} = %v, want 0 (summarize_total{failure} = %v)", v,
+			counter(t, p.reg, "compactproxy_summarize_total", map[string]string{"result": "failure"}))
+	}
+	if summarized == 0 {
+		t.Fatal("no step carried a summary")
+	}
+	if v := counter(t, p.reg, "compactproxy_presummarize_total", map[string]string{"result": "success"}); v == 0 {
+		t.Error("no background summary ran: the test did not exercise a joined flight")
 	}
 }
