@@ -568,7 +568,8 @@ func logTable(t *testing.T, turns []turn, byTurn map[int][]upstreamReq, summariz
 	t.Helper()
 	t.Logf("%4s %6s %7s %-10s %6s %-22s %-13s %9s %9s %7s %6s", "turn", "status", "msgs", "action", "maxtok", "field", "ctx(src)", "fwd-est", "reported", "err%", "tries")
 	var anchoredErr, freshErr []float64
-	sumPrompt, sumCached := 0, 0
+	sumPrompt, sumCached, sumAppended := 0, 0, 0
+	prevBody := -1
 	for _, tr := range turns {
 		sent, _ := chat.Parse(tr.Body)
 		in, maxTok := 0, 0
@@ -586,8 +587,14 @@ func logTable(t *testing.T, turns []turn, byTurn map[int][]upstreamReq, summariz
 			if tr.N > 0 {
 				sumPrompt += u.Prompt
 				sumCached += u.Cached
+				if prevBody >= 0 {
+					// What the agent appended since its previous request, at
+					// the mock's rate: evaluated however the proxy compacts.
+					sumAppended += min(max(int(float64(len(tr.Body)-prevBody)/bytesPerToken), 0), u.Prompt)
+				}
 			}
 		}
+		prevBody = len(tr.Body)
 		action := tr.Header.Get("X-Compactproxy-Compaction")
 		ctxTok := headerInt(tr.Header, "X-Compactproxy-Context-Tokens")
 		src := tr.Header.Get("X-Compactproxy-Context-Source")
@@ -617,6 +624,10 @@ func logTable(t *testing.T, turns []turn, byTurn map[int][]upstreamReq, summariz
 		mean(anchoredErr), len(anchoredErr), mean(freshErr), len(freshErr))
 	if sumPrompt > 0 {
 		t.Logf("cache reuse after the first request: Σcached ÷ Σprompt = %d ÷ %d = %.2f", sumCached, sumPrompt, float64(sumCached)/float64(sumPrompt))
+		if reusable := sumPrompt - sumAppended; reusable > 0 {
+			t.Logf("  ceiling Σ(prompt − appended) ÷ Σprompt = %.2f (the agent appended %d tokens); efficiency Σcached ÷ Σ(prompt − appended) = %.2f",
+				float64(reusable)/float64(sumPrompt), sumAppended, float64(sumCached)/float64(reusable))
+		}
 	}
 }
 
