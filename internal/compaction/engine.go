@@ -422,19 +422,6 @@ func (r *run) compact() Output {
 	}
 	out.Trigger = out.Fixed + int(float64(room)*cfg.TriggerRatio)
 	out.Target = out.Fixed + int(float64(room)*cfg.TargetRatio)
-	if cur >= out.Trigger || r.in.Presummarize {
-		// Hysteresis means the next step does not trigger again. An agent
-		// whose steps append more than trigger − target (a file read per
-		// step at a small window) would otherwise be compacted at every
-		// step, each compaction a prompt the upstream's cache no longer
-		// covers: compact deep enough for one more step of the size of
-		// its last one (never below minTargetRatio of the room).
-		if g := r.stepGrowth(); g > 0 {
-			if t := out.Trigger - g - g/10; t < out.Target {
-				out.Target = max(t, out.Fixed+int(float64(room)*minTargetRatio))
-			}
-		}
-	}
 	if r.in.Presummarize {
 		return r.presummarize(out, p, cur)
 	}
@@ -447,27 +434,6 @@ func (r *run) compact() Output {
 		cur = r.decide(&p, cur, out.Budget, out.Target)
 	}
 	return r.finish(out, p, cur)
-}
-
-// minTargetRatio bounds how deep a step's growth may move the target: a
-// fraction of the room after the fixed part.
-const minTargetRatio = 0.3
-
-// stepGrowth is what the client appended since its previous request, as
-// estimated: its last assistant message (the answer it got) and what
-// follows (tool results, the next instruction). 0 without one.
-func (r *run) stepGrowth() int {
-	a := -1
-	for i := r.n - 1; i >= r.lead; i-- {
-		if r.msgs[i].Role == "assistant" {
-			a = i
-			break
-		}
-	}
-	if a <= r.lead {
-		return 0
-	}
-	return max(r.est(r.msgs)-r.est(r.msgs[:a:a]), 0)
 }
 
 // tailLimit is how far the verbatim tail may extend beyond its floor:
