@@ -32,6 +32,21 @@ const (
 
 var bodyPools [maxPoolClass + 1]sync.Pool
 
+// Test hooks, nil in production (net/http's testHook pattern). They let a
+// test stop the transport's body writer inside Read, at the two points
+// where a reuse would bite, and see a buffer go back to the pool, so that
+// "never reused while a transport may read it" is checked, not hoped for
+// (TestBodyPoolNotReusedWhileHTTP2Reads).
+var (
+	// testHookBodyRead is called on entry to Read, before it takes the
+	// lock; Read calls the returned func when it returns.
+	testHookBodyRead func(*trackedReader) (returned func())
+	// testHookBodyCopy is called just before Read copies from the buffer.
+	testHookBodyCopy func(*trackedReader)
+	// testHookBodyPooled is called as a buffer goes back to the pool.
+	testHookBodyPooled func(*pooledBody)
+)
+
 // pooledBody is a request body buffer from the pool.
 type pooledBody struct {
 	buf  []byte
@@ -63,6 +78,9 @@ func (pb *pooledBody) release() {
 	if cap(pb.buf) != 1<<c || c < minPoolClass || c > maxPoolClass {
 		return
 	}
+	if testHookBodyPooled != nil {
+		testHookBodyPooled(pb)
+	}
 	pb.buf = pb.buf[:0]
 	bodyPools[c].Put(pb)
 }
@@ -89,10 +107,16 @@ type trackedReader struct {
 var errBodyClosed = errors.New("proxy: request body read after close")
 
 func (t *trackedReader) Read(p []byte) (int, error) {
+	if testHookBodyRead != nil {
+		defer testHookBodyRead(t)()
+	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.closed {
 		return 0, errBodyClosed
+	}
+	if testHookBodyCopy != nil {
+		testHookBodyCopy(t)
 	}
 	return t.r.Read(p)
 }
