@@ -3,12 +3,14 @@
 # clients for 60 s (each stream 5-20 s of events, a tenth leaving mid-stream)
 # plus a trickle of 1 MiB non-stream requests, first against the mock
 # upstream directly, then through compactproxy, in one run. Reports counts,
-# compactproxy's goroutines and RSS at start/peak/end and p50/p99 TTFB of
-# both phases (bench/cmd/soak). Exit 1 when a request was not answered or
-# aborted correctly, or the goroutines did not settle.
+# compactproxy's goroutines, RSS (anonymous and file-backed) and heap at a
+# cold start, at start (after a short warm-up through it), at peak and at
+# the end (sampled until it settles, at most SOAK_DRAIN), and p50/p99 TTFB
+# of both phases (bench/cmd/soak). Exit 1 when a request was not answered
+# or aborted correctly, or the goroutines did not settle.
 #
 # Knobs (env): SOAK_STREAMS (1000), SOAK_DURATION (60s), SOAK_TRICKLE (250ms),
-# SOAK_LEAVE (0.1), SOAK_DRAIN (150s: how long the end waits for goroutines
+# SOAK_LEAVE (0.1), SOAK_DRAIN (300s: how long the end waits at most for goroutines
 # and RSS to settle), SOAK_OUT (bench/results/soak.json).
 set -euo pipefail
 
@@ -19,7 +21,7 @@ streams="${SOAK_STREAMS:-1000}"
 duration="${SOAK_DURATION:-60s}"
 trickle="${SOAK_TRICKLE:-250ms}"
 leave="${SOAK_LEAVE:-0.1}"
-drain="${SOAK_DRAIN:-150s}"
+drain="${SOAK_DRAIN:-300s}"
 out="${SOAK_OUT:-$root/bench/results/soak.json}"
 mkdir -p "$(dirname "$out")"
 

@@ -112,14 +112,19 @@ func serve(ctx context.Context, cfg config.Config, file string, log *zap.Logger)
 	// draining requests do not need it.
 	p.Start(ctx)
 
-	hs := &http.Server{
-		Handler:           p.Handler(),
+	return serveHTTP(ctx, newHTTPServer(p.Handler(), log), ln, cfg.ShutdownTimeout, log)
+}
+
+// newHTTPServer is the server compactproxy listens with, with the limits
+// above (tests build it through here, so they test these).
+func newHTTPServer(h http.Handler, log *zap.Logger) *http.Server {
+	return &http.Server{
+		Handler:           h,
 		ReadHeaderTimeout: readHeaderTimeout,
 		MaxHeaderBytes:    maxHeaderBytes,
 		IdleTimeout:       idleTimeout,
 		ErrorLog:          zap.NewStdLog(log.Named("http")),
 	}
-	return serveHTTP(ctx, hs, ln, cfg.ShutdownTimeout, log)
 }
 
 // serveHTTP serves on ln until ctx ends, then stops accepting and lets

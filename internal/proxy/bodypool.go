@@ -6,12 +6,16 @@ import (
 	"math/bits"
 	"sync"
 	"sync/atomic"
+	"time"
 )
 
 // Request bodies of agents are large (a megabyte is common) and short-lived.
 // Allocating each one costs a zeroing pass and GC and scavenger work that a
 // streaming reverse proxy never pays, so chat bodies are read into pooled
 // buffers by power-of-two size class and given back when the request ends.
+// The pool is an idlePool: a deliberate, bounded cache of at most
+// bodyPoolBytes of buffers, none once no request gave one back for
+// bodyPoolIdle (an idle proxy holds no body memory).
 //
 // A buffer is reused only once nothing can still read it: the outgoing
 // request bodies that point into it are tracked, and http.Transport closes
@@ -28,9 +32,30 @@ import (
 const (
 	minPoolClass = 16 // 64 KiB
 	maxPoolClass = 26 // 64 MiB
+
+	// bodyPoolBytes bounds the idle buffers kept: 32 concurrent requests
+	// of a megabyte (a 2 MiB class each) reuse theirs.
+	bodyPoolBytes = 64 << 20
+	// bodyPoolIdle is how long an unused buffer is kept.
+	bodyPoolIdle = 10 * time.Second
 )
 
-var bodyPools [maxPoolClass + 1]sync.Pool
+var bodyPool = newIdlePool[*pooledBody](maxPoolClass+1, bodyPoolBytes, bodyPoolIdle)
+
+// Test hooks, nil in production (net/http's testHook pattern). They let a
+// test stop the transport's body writer inside Read, at the two points
+// where a reuse would bite, and see a buffer go back to the pool, so that
+// "never reused while a transport may read it" is checked, not hoped for
+// (TestBodyPoolNotReusedWhileHTTP2Reads).
+var (
+	// testHookBodyRead is called on entry to Read, before it takes the
+	// lock; Read calls the returned func when it returns.
+	testHookBodyRead func(*trackedReader) (returned func())
+	// testHookBodyCopy is called just before Read copies from the buffer.
+	testHookBodyCopy func(*trackedReader)
+	// testHookBodyPooled is called as a buffer goes back to the pool.
+	testHookBodyPooled func(*pooledBody)
+)
 
 // pooledBody is a request body buffer from the pool.
 type pooledBody struct {
@@ -46,8 +71,7 @@ func getBody(n int) *pooledBody {
 		return &pooledBody{buf: make([]byte, max(n, 0))}
 	}
 	c = max(c, minPoolClass)
-	if v := bodyPools[c].Get(); v != nil {
-		pb := v.(*pooledBody)
+	if pb, ok := bodyPool.get(c); ok {
 		pb.buf = pb.buf[:n]
 		return pb
 	}
@@ -63,8 +87,11 @@ func (pb *pooledBody) release() {
 	if cap(pb.buf) != 1<<c || c < minPoolClass || c > maxPoolClass {
 		return
 	}
+	if testHookBodyPooled != nil {
+		testHookBodyPooled(pb)
+	}
 	pb.buf = pb.buf[:0]
-	bodyPools[c].Put(pb)
+	bodyPool.put(c, pb, int64(cap(pb.buf)))
 }
 
 // reader returns an io.ReadCloser over b (which may point into pb) that
@@ -89,10 +116,16 @@ type trackedReader struct {
 var errBodyClosed = errors.New("proxy: request body read after close")
 
 func (t *trackedReader) Read(p []byte) (int, error) {
+	if testHookBodyRead != nil {
+		defer testHookBodyRead(t)()
+	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.closed {
 		return 0, errBodyClosed
+	}
+	if testHookBodyCopy != nil {
+		testHookBodyCopy(t)
 	}
 	return t.r.Read(p)
 }

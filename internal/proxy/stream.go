@@ -8,7 +8,6 @@ import (
 	"io"
 	"mime"
 	"net/http"
-	"sync"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
 )
@@ -16,8 +15,15 @@ import (
 // readerPool recycles the stream readers: one per streamed response would
 // otherwise be an allocation per request. 16 KiB holds any ordinary event
 // (longer lines are assembled by readLine); at 64 KiB, the 1,000 concurrent
-// streams of make soak would hold 64 MiB in readers alone.
-var readerPool = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 16<<10) }}
+// streams of make soak would hold 64 MiB in readers alone. An idlePool (one
+// class): at most readerPoolBytes of idle readers (1,024), none after
+// bodyPoolIdle without a stream ending.
+var readerPool = newIdlePool[*bufio.Reader](1, readerPoolBytes, bodyPoolIdle)
+
+const (
+	streamReaderSize = 16 << 10
+	readerPoolBytes  = 1024 * streamReaderSize
+)
 
 func isEventStream(ct string) bool {
 	mt, _, err := mime.ParseMediaType(ct)
@@ -174,9 +180,12 @@ func usageOnly(data []byte) bool {
 // stream ([DONE]) is written, so the client's next request sees the anchor.
 // With hideUsage, the usage-only chunk the proxy asked for is not relayed.
 func relayEvents(w io.Writer, body io.Reader, hideUsage bool, onUsage func(anchor.Usage)) error {
-	br := readerPool.Get().(*bufio.Reader)
+	br, ok := readerPool.get(0)
+	if !ok {
+		br = bufio.NewReaderSize(nil, streamReaderSize)
+	}
 	br.Reset(body)
-	defer func() { br.Reset(nil); readerPool.Put(br) }()
+	defer func() { br.Reset(nil); readerPool.put(0, br, streamReaderSize) }()
 	flusher, _ := w.(http.Flusher)
 	var (
 		ev, long []byte

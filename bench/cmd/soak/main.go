@@ -55,9 +55,24 @@ type phase struct {
 type sample struct {
 	Goroutines int   `json:"goroutines"`
 	RSSKiB     int64 `json:"rss_kib"`
-	// HeapInuseKiB (go_memstats_heap_inuse_bytes) tells live heap from
-	// memory the runtime has not yet returned to the OS.
+	// RSS split (/proc/PID/status): anonymous memory (heap, stacks, runtime
+	// metadata) and file-backed pages (the binary's code and data, mapped
+	// as they are first touched: a proxy that served nothing yet has fewer).
+	RSSAnonKiB int64 `json:"rss_anon_kib"`
+	RSSFileKiB int64 `json:"rss_file_kib"`
+	// HeapInuseKiB (go_memstats_heap_inuse_bytes) and HeapAllocKiB
+	// (go_memstats_heap_alloc_bytes: live objects plus garbage not yet
+	// collected) tell what the process holds from memory the runtime has
+	// not yet returned to the OS.
 	HeapInuseKiB int64 `json:"heap_inuse_kib"`
+	HeapAllocKiB int64 `json:"heap_alloc_kib"`
+	// GCs is go_gc_duration_seconds_count: collections so far.
+	GCs int64 `json:"gcs"`
+}
+
+func (s sample) String() string {
+	return fmt.Sprintf("%d goroutines, %d KiB RSS (%d anon, %d file), %d KiB heap in use, %d KiB heap allocated, %d GCs",
+		s.Goroutines, s.RSSKiB, s.RSSAnonKiB, s.RSSFileKiB, s.HeapInuseKiB, s.HeapAllocKiB, s.GCs)
 }
 
 func main() {
@@ -69,17 +84,27 @@ func main() {
 	duration := flag.Duration("duration", 60*time.Second, "how long streams are started, per phase")
 	trickle := flag.Duration("trickle", 250*time.Millisecond, "time between 1 MiB non-stream requests")
 	leave := flag.Float64("leave", 0.1, "share of streams whose client leaves mid-stream")
-	drain := flag.Duration("drain", 150*time.Second, "how long to wait for the proxy to settle after the load")
+	drain := flag.Duration("drain", 300*time.Second, "how long to wait for the proxy to settle after the load (RSS falls after the pools' 10 s idle time, a collection (an idle Go process collects every 2 min) and the scavenger)")
+	warm := flag.Duration("warm-settle", 240*time.Second, "after the warm-up, how long to wait at most for the proxy to settle before the start sample")
 	out := flag.String("out", "", "write the JSON report here too")
 	flag.Parse()
 
 	big := bigBody()
 	report := struct {
 		Phases []phase `json:"phases"`
-		Start  sample  `json:"start"`
-		Peak   sample  `json:"peak"`
-		End    sample  `json:"end"`
-		Drain  string  `json:"drained_after"`
+		// Cold: the proxy before it served any chat request. Start: after
+		// a short warm-up through it (a few streams and 1 MiB requests),
+		// settled as the end is (settle), so what merely having served
+		// traffic costs (the runtime's heap goal and metadata, code
+		// pages) is in both; the verdict compares the end with Start, and
+		// reports Cold alongside.
+		Cold  sample `json:"cold_start"`
+		Start sample `json:"start"`
+		Peak  sample `json:"peak"`
+		End   sample `json:"end"`
+		// WarmSettle and Drain: how long the start and end waited to settle.
+		WarmSettle string `json:"warm_settled_after"`
+		Drain      string `json:"drained_after"`
 		// DrainSamples: the proxy every 30 s while draining.
 		DrainSamples []string `json:"drain_samples"`
 		Verdict      []string `json:"verdict"`
@@ -88,7 +113,13 @@ func main() {
 	d := runPhase("direct", *direct, *streams, *duration, *trickle, *leave, big)
 	report.Phases = append(report.Phases, d)
 
-	report.Start = measure(*metricsURL, *pid)
+	report.Cold = measure(*metricsURL, *pid)
+	warmUp(*proxy, big)
+	var warmSettled bool
+	report.Start, warmSettled, report.WarmSettle = settle(*metricsURL, *pid, *warm, report.Cold.Goroutines, nil)
+	if !warmSettled {
+		report.Verdict = append(report.Verdict, fmt.Sprintf("the warm-up had not settled after %s: the start figures are the last sample", report.WarmSettle))
+	}
 	peak := report.Start
 	stop := make(chan struct{})
 	var mwg sync.WaitGroup
@@ -106,6 +137,10 @@ func main() {
 				peak.Goroutines = max(peak.Goroutines, s.Goroutines)
 				peak.RSSKiB = max(peak.RSSKiB, s.RSSKiB)
 				peak.HeapInuseKiB = max(peak.HeapInuseKiB, s.HeapInuseKiB)
+				peak.RSSAnonKiB = max(peak.RSSAnonKiB, s.RSSAnonKiB)
+				peak.RSSFileKiB = max(peak.RSSFileKiB, s.RSSFileKiB)
+				peak.HeapAllocKiB = max(peak.HeapAllocKiB, s.HeapAllocKiB)
+				peak.GCs = s.GCs
 			}
 		}
 	}()
@@ -117,25 +152,14 @@ func main() {
 
 	// Drain: the clients' idle connections are closed by runPhase; the
 	// mock closes the proxy's idle upstream connections (-idle-timeout).
-	t0 := time.Now()
-	end := measure(*metricsURL, *pid)
-	nextSample := time.Duration(0)
-	for time.Since(t0) < *drain {
-		end = measure(*metricsURL, *pid)
-		if el := time.Since(t0); el >= nextSample {
-			report.DrainSamples = append(report.DrainSamples, fmt.Sprintf("%s: %d goroutines, %d KiB RSS, %d KiB heap in use", el.Round(time.Second), end.Goroutines, end.RSSKiB, end.HeapInuseKiB))
-			nextSample += 30 * time.Second
-		}
-		// RSS falls only after a GC (forced every 2 min when idle) and
-		// the scavenger returned the pages: wait for both, within -drain.
-		if float64(end.Goroutines) <= 1.1*float64(report.Start.Goroutines) &&
-			float64(end.RSSKiB) <= 1.1*float64(report.Start.RSSKiB) {
-			break
-		}
-		time.Sleep(time.Second)
+	var settled bool
+	report.End, settled, report.Drain = settle(*metricsURL, *pid, *drain, report.Start.Goroutines, func(el time.Duration, s sample) {
+		report.DrainSamples = append(report.DrainSamples, fmt.Sprintf("%s: %s", el.Round(time.Second), s))
+	})
+	end := report.End
+	if !settled {
+		report.Verdict = append(report.Verdict, fmt.Sprintf("the proxy had not settled after %s of draining (two collections after its pools' idle time, RSS flat for 30 s): the end figures are the last sample", report.Drain))
 	}
-	report.End = end
-	report.Drain = time.Since(t0).Round(time.Second).String()
 
 	ok := true
 	for _, ph := range report.Phases {
@@ -149,8 +173,12 @@ func main() {
 		report.Verdict = append(report.Verdict, fmt.Sprintf("goroutines did not settle: %d at start, %d at end", report.Start.Goroutines, end.Goroutines))
 	}
 	if float64(end.RSSKiB) > 1.1*float64(report.Start.RSSKiB) {
-		report.Verdict = append(report.Verdict, fmt.Sprintf("RSS at end %d KiB is more than 10%% over start %d KiB (Go returns freed heap to the OS lazily)", end.RSSKiB, report.Start.RSSKiB))
+		report.Verdict = append(report.Verdict, fmt.Sprintf("RSS at end %d KiB is more than 10%% over start %d KiB after %s of draining", end.RSSKiB, report.Start.RSSKiB, report.Drain))
+	} else {
+		report.Verdict = append(report.Verdict, fmt.Sprintf("RSS at end %d KiB is within 10%% of start %d KiB (%.2fx) after %s of draining", end.RSSKiB, report.Start.RSSKiB, float64(end.RSSKiB)/float64(report.Start.RSSKiB), report.Drain))
 	}
+	report.Verdict = append(report.Verdict, fmt.Sprintf("against the cold start (%d KiB, %d KiB anon, %d KiB file, before any chat request) the end is %.2fx",
+		report.Cold.RSSKiB, report.Cold.RSSAnonKiB, report.Cold.RSSFileKiB, float64(end.RSSKiB)/float64(report.Cold.RSSKiB)))
 	b, _ := json.MarshalIndent(report, "", "  ")
 	fmt.Println(string(b))
 	fmt.Printf("\nTTFB p50 %.1f ms / p99 %.1f ms through compactproxy vs %.1f / %.1f ms direct (ratio p50 %.2f, p99 %.2f)\n",
@@ -335,10 +363,81 @@ func bigBody() []byte {
 	return []byte(sb.String())
 }
 
-// measure reads go_goroutines from /metrics and VmRSS of pid.
+// settle samples the proxy every second until it has settled, at most for
+// max: its goroutines are back to at most 1.1x want, two collections ran
+// after its pools' idle time (the proxy's pools drop idle buffers after
+// 10 s, a collection frees them, and net/http's own sync.Pools need two),
+// and in the 30 s since the second one RSS did not fall by more than 1%
+// (the scavenger, which returns the freed pages after a collection, is
+// done). every, when set, gets a sample every 30 s and the last one.
+func settle(metricsURL string, pid int, max time.Duration, want int, every func(time.Duration, sample)) (sample, bool, string) {
+	const poolIdle, flat = 11 * time.Second, 30
+	t0 := time.Now()
+	var (
+		s          sample
+		gcBase     int64         = -1
+		gcDone     time.Duration // when the second collection was seen
+		window     []sample      // one sample a second, the last 30
+		nextReport time.Duration
+	)
+	for {
+		s = measure(metricsURL, pid)
+		el := time.Since(t0)
+		if every != nil && el >= nextReport {
+			every(el, s)
+			nextReport += 30 * time.Second
+		}
+		if gcBase < 0 && el >= poolIdle {
+			gcBase = s.GCs
+		}
+		window = append(window, s)
+		if len(window) > flat {
+			window = window[1:]
+		}
+		if gcDone == 0 && gcBase >= 0 && s.GCs >= gcBase+2 {
+			gcDone = el
+		}
+		rssFlat := len(window) == flat && float64(s.RSSKiB) >= 0.99*float64(window[0].RSSKiB)
+		done := gcDone > 0 && el >= gcDone+flat*time.Second && rssFlat && float64(s.Goroutines) <= 1.1*float64(want)
+		if done || el >= max {
+			if every != nil {
+				every(el, s)
+			}
+			return s, done, el.Round(time.Second).String()
+		}
+		time.Sleep(time.Second)
+	}
+}
+
+// warmUp sends a few streams (two leaving mid-stream) and 1 MiB requests
+// through the proxy and waits for them.
+func warmUp(base string, big []byte) {
+	client := &http.Client{Transport: &http.Transport{}}
+	defer client.CloseIdleConnections()
+	var wg sync.WaitGroup
+	for i := range 8 {
+		wg.Go(func() {
+			leave := time.Duration(0)
+			if i < 2 {
+				leave = time.Second
+			}
+			_, _ = oneStream(client, base, 2*time.Second, leave)
+		})
+	}
+	for range 4 {
+		wg.Go(func() { _ = oneBig(client, base, big) })
+	}
+	wg.Wait()
+}
+
+// measure reads go_goroutines and heap figures from /metrics and the RSS of
+// pid. The scrape asks for an uncompressed answer: a gzip writer is a
+// megabyte of the proxy's heap that only the measuring would cause.
 func measure(metricsURL string, pid int) sample {
 	var s sample
-	if resp, err := http.Get(metricsURL); err == nil {
+	req, _ := http.NewRequest(http.MethodGet, metricsURL, nil)
+	req.Header.Set("Accept-Encoding", "identity")
+	if resp, err := http.DefaultClient.Do(req); err == nil {
 		sc := bufio.NewScanner(resp.Body)
 		for sc.Scan() {
 			if v, ok := strings.CutPrefix(sc.Text(), "go_goroutines "); ok {
@@ -349,13 +448,30 @@ func measure(metricsURL string, pid int) sample {
 				f, _ := strconv.ParseFloat(v, 64)
 				s.HeapInuseKiB = int64(f) / 1024
 			}
+			if v, ok := strings.CutPrefix(sc.Text(), "go_gc_duration_seconds_count "); ok {
+				s.GCs, _ = strconv.ParseInt(v, 10, 64)
+			}
+			if v, ok := strings.CutPrefix(sc.Text(), "go_memstats_heap_alloc_bytes "); ok {
+				f, _ := strconv.ParseFloat(v, 64)
+				s.HeapAllocKiB = int64(f) / 1024
+			}
 		}
 		resp.Body.Close()
 	}
 	if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid)); err == nil {
+		kib := func(v string) int64 {
+			n, _ := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+			return n
+		}
 		for _, l := range strings.Split(string(b), "\n") {
 			if v, ok := strings.CutPrefix(l, "VmRSS:"); ok {
-				s.RSSKiB, _ = strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+				s.RSSKiB = kib(v)
+			}
+			if v, ok := strings.CutPrefix(l, "RssAnon:"); ok {
+				s.RSSAnonKiB = kib(v)
+			}
+			if v, ok := strings.CutPrefix(l, "RssFile:"); ok {
+				s.RSSFileKiB = kib(v)
 			}
 		}
 	}
