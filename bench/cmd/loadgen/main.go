@@ -99,6 +99,8 @@ func main() {
 	note := flag.String("note", "", "free text recorded with the results (e.g. why compactproxy is absent)")
 	convs := flag.String("conversations", "same", `"same": every request is the same conversation (identical bytes to every target, the worst case for per-conversation state); "per-worker": each worker sends X-Compactproxy-Conversation: bench-wN (N agents at concurrency N; the header is ignored by the mock and passed by the bare proxy)`)
 	freePort := flag.Bool("freeport", false, "print a free 127.0.0.1 port and exit")
+	only := flag.String("scenarios", "", "comma-separated scenario names to run (empty: all); for profiling one path")
+	onlyTargets := flag.String("targets", "", "comma-separated target names to run (empty: all); for profiling one process")
 	flag.Parse()
 
 	if *freePort {
@@ -134,6 +136,13 @@ func main() {
 		{Name: "16KB-stream", Bytes: 16 << 10, Stream: true, Count: map[int]int{1: 100, 32: 640}},
 		{Name: "1MiB", Bytes: 1 << 20, Count: map[int]int{1: 40, 32: 128}},
 	}
+	if *only != "" {
+		names := strings.Split(*only, ",")
+		scenarios = slices.DeleteFunc(scenarios, func(s *scenario) bool { return !slices.Contains(names, s.Name) })
+		if len(scenarios) == 0 {
+			fatalf("-scenarios: none of %q", *only)
+		}
+	}
 	for _, s := range scenarios {
 		s.body = chattest.AgentBody(s.Bytes, s.Stream)
 	}
@@ -146,6 +155,10 @@ func main() {
 		targets = append(targets, &target{Name: "compactproxy", Base: *compact, PID: *compactPID})
 	} else {
 		targets = append(targets, &target{Name: "compactproxy", failed: true, failNote: "not started: " + *note})
+	}
+	if *onlyTargets != "" {
+		names := strings.Split(*onlyTargets, ",")
+		targets = slices.DeleteFunc(targets, func(t *target) bool { return !slices.Contains(names, t.Name) })
 	}
 	maxConc := slices.Max(cs)
 	for _, t := range targets {
