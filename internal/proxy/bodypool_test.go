@@ -107,3 +107,69 @@ func TestBodyPoolUnderHTTP2Upstream(t *testing.T) {
 		t.Errorf("%d of %d upstream requests were HTTP/2", h2.Load(), clients*each)
 	}
 }
+
+// WriteTo (the HTTP/1 transport's path through net.TCPConn.ReadFrom) writes
+// the whole body in pieces of at most writeChunk, and stops at a Close
+// between pieces without touching the buffer again.
+func TestTrackedReaderWriteTo(t *testing.T) {
+	pb := getBody(3*writeChunk + 17)
+	for i := range pb.buf {
+		pb.buf[i] = byte(i)
+	}
+	var out chunkRecorder
+	n, err := pb.reader(pb.buf).WriteTo(&out)
+	if err != nil || n != int64(len(pb.buf)) || !bytes.Equal(out.buf.Bytes(), pb.buf) {
+		t.Fatalf("WriteTo = %d, %v; wrote %d bytes", n, err, out.buf.Len())
+	}
+	if out.max > writeChunk || out.writes != 4 {
+		t.Fatalf("%d writes of at most %d bytes, want 4 of at most %d", out.writes, out.max, writeChunk)
+	}
+	// A Close from another goroutine during a piece: once Close returned,
+	// no byte more is written (the buffer may be reused by then).
+	r := pb.reader(pb.buf)
+	stop := &chunkRecorder{after: 1, close: r}
+	_, err = r.WriteTo(stop)
+	<-stop.closed
+	if err != errBodyClosed && stop.buf.Len() != len(pb.buf) {
+		t.Fatalf("WriteTo stopped with %v", err)
+	}
+	if stop.late.Load() {
+		t.Fatal("a piece was written after Close returned")
+	}
+	r = pb.reader(pb.buf)
+	r.Close()
+	if n, err := r.WriteTo(&out); n != 0 || err != errBodyClosed {
+		t.Fatalf("WriteTo after Close = %d, %v", n, err)
+	}
+}
+
+// chunkRecorder records the writes it gets; with close set it closes that
+// reader after `after` writes (as a transport closing the body would).
+type chunkRecorder struct {
+	buf         bytes.Buffer
+	writes, max int
+	after       int
+	close       io.Closer
+	closed      chan struct{}
+	returned    atomic.Bool // Close returned
+	late        atomic.Bool // a Write after that
+}
+
+func (c *chunkRecorder) Write(p []byte) (int, error) {
+	c.writes++
+	c.max = max(c.max, len(p))
+	if c.returned.Load() {
+		c.late.Store(true)
+	}
+	if c.close != nil && c.writes == c.after {
+		// Close waits for the lock WriteTo holds during this write:
+		// close from another goroutine, as a transport does.
+		c.closed = make(chan struct{})
+		go func() {
+			c.close.Close()
+			c.returned.Store(true)
+			close(c.closed)
+		}()
+	}
+	return c.buf.Write(p)
+}
