@@ -438,7 +438,7 @@ func (s *Server) prepareChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 	bypass := strings.EqualFold(r.Header.Get("X-Compactproxy-Bypass"), "true")
 	opts := compactOptions{enabled: s.cfg.Compaction.Enabled && !bypass, summarize: true, commit: true}
 	cr.client = cr.forward
-	ctx = s.withSummarizeRequest(ctx, req)
+	ctx = withSummarizeSource(ctx, req)
 	var last compaction.Output
 	run := func(ctx context.Context) {
 		out, spent := s.compact(ctx, r, cv, cr.client, req.Model, req.MaxTokens, opts)

@@ -90,7 +90,15 @@ func (s *Server) newSummarizer() compaction.Summarizer {
 // or a model the models table names), and the client's credentials only
 // when the summarizer is the chat upstream itself and the proxy holds no
 // key of its own.
+//
+// It also adds what withSummarizeRequest derives from the client's request
+// when prepareChat left it on ctx (summarizeSource). It runs only when a
+// summarize is about to start, while the request's body is still valid:
+// the copies that summarize needs are made then, not on every request.
 func (s *Server) summarizeContext(ctx context.Context, r *http.Request, model string) context.Context {
+	if req, ok := ctx.Value(summarizeSource{}).(*chat.Request); ok {
+		ctx = s.withSummarizeRequest(ctx, req)
+	}
 	ctx = summarizer.WithModel(ctx, model)
 	sumModel := s.cfg.Compaction.Summarizer.Model
 	if sumModel == "" {
@@ -131,6 +139,16 @@ func textTokens(fit anchor.Fit, n int) int {
 	}
 	r = min(max(r, anchor.MinRatio), anchor.MaxRatio)
 	return int(math.Ceil(float64(local) * r))
+}
+
+// summarizeSource is the context key of the client's request, from which
+// summarizeContext derives the summarize request's shape.
+type summarizeSource struct{}
+
+// withSummarizeSource leaves req on ctx for summarizeContext: cheap, since
+// most requests never summarize.
+func withSummarizeSource(ctx context.Context, req *chat.Request) context.Context {
+	return context.WithValue(ctx, summarizeSource{}, req)
 }
 
 // withSummarizeRequest adds to ctx what a summarize call may take from the
