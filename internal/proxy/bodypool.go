@@ -1,8 +1,8 @@
 package proxy
 
 import (
+	"bytes"
 	"errors"
-	"io"
 	"math/bits"
 	"sync"
 	"sync/atomic"
@@ -70,7 +70,7 @@ func (pb *pooledBody) release() {
 // reader returns an io.ReadCloser over b (which may point into pb) that
 // marks pb busy until the transport closes it.
 func (pb *pooledBody) reader(b []byte) *trackedReader {
-	t := &trackedReader{b: b}
+	t := &trackedReader{r: bytes.NewReader(b)}
 	if pb != nil {
 		pb.open.Add(1)
 		t.pb = pb
@@ -80,7 +80,7 @@ func (pb *pooledBody) reader(b []byte) *trackedReader {
 
 type trackedReader struct {
 	mu     sync.Mutex
-	b      []byte // what is left to read
+	r      *bytes.Reader
 	pb     *pooledBody
 	closed bool
 }
@@ -94,42 +94,7 @@ func (t *trackedReader) Read(p []byte) (int, error) {
 	if t.closed {
 		return 0, errBodyClosed
 	}
-	if len(t.b) == 0 {
-		return 0, io.EOF
-	}
-	n := copy(p, t.b)
-	t.b = t.b[n:]
-	return n, nil
-}
-
-// writeChunk bounds one WriteTo write: large enough that a megabyte body
-// goes out in a few system calls (io.Copy's 32 KiB buffer makes 32), small
-// enough that Close never waits long behind the lock.
-const writeChunk = 256 << 10
-
-// WriteTo writes the rest of the body to w in writeChunk pieces, each under
-// the lock like a Read (the HTTP/1 transport's body writer takes this path
-// through net.TCPConn.ReadFrom); a Close between pieces stops it.
-func (t *trackedReader) WriteTo(w io.Writer) (int64, error) {
-	var total int64
-	for {
-		t.mu.Lock()
-		if t.closed {
-			t.mu.Unlock()
-			return total, errBodyClosed
-		}
-		if len(t.b) == 0 {
-			t.mu.Unlock()
-			return total, nil
-		}
-		n, err := w.Write(t.b[:min(len(t.b), writeChunk)])
-		t.b = t.b[n:]
-		t.mu.Unlock()
-		total += int64(n)
-		if err != nil {
-			return total, err
-		}
-	}
+	return t.r.Read(p)
 }
 
 func (t *trackedReader) Close() error {
