@@ -128,6 +128,9 @@ type chatRequest struct {
 	headers http.Header // upstream headers
 	tenant  string
 	parsed  parsed
+	// pairingClean: the parsed messages passed the pairing check with no
+	// violation (remembered by the parse cache entry of this body).
+	pairingClean bool
 	// forward is the view that will be sent; unchanged reports whether it
 	// is byte-for-byte the client's body (the fast path).
 	forward   []chat.Message

@@ -131,6 +131,11 @@ type chainKnown struct {
 	chain   []anchor.Digest
 	local   []int
 	ident   []rawIdent
+	// base, when ident is nil, names the bytes instead: the first
+	// len(digests) messages of the view that starts at base (the
+	// request's parsed messages, which are never rewritten) are the known
+	// ones, so that view is matched without a per-message comparison.
+	base *chat.Message
 }
 
 // rawIdent identifies a message's bytes by address and length.
@@ -146,19 +151,36 @@ func identOf(m *chat.Message) rawIdent {
 	return rawIdent{&m.Raw[0], len(m.Raw)}
 }
 
-// prefix is the first n messages of k, as the view msgs (whose first n
-// messages have k's bytes) knows them.
+// prefix is the first n messages of k, as the request's parsed messages
+// msgs (whose first n messages have k's bytes) know them.
 func (k chainKnown) prefix(n int, msgs []chat.Message) chainKnown {
-	out := chainKnown{digests: k.digests[:n], chain: k.chain[:n+1], local: k.local[:n], ident: make([]rawIdent, n)}
-	for i := range n {
-		out.ident[i] = identOf(&msgs[i])
+	out := chainKnown{digests: k.digests[:n], chain: k.chain[:n+1], local: k.local[:n]}
+	if n > 0 {
+		out.base = &msgs[0]
 	}
 	return out
+}
+
+// onBase reports whether view starts at k's base (see base).
+func (k *chainKnown) onBase(view []chat.Message) bool {
+	return k.ident == nil && k.base != nil && len(view) > 0 && &view[0] == k.base
+}
+
+// sameBytes reports whether message i of view (i < matching) has the
+// bytes k's estimate of it was made from.
+func (k *chainKnown) sameBytes(view []chat.Message, i int, onBase bool) bool {
+	if k.ident == nil {
+		return onBase
+	}
+	return identOf(&view[i]) == k.ident[i]
 }
 
 // matching is how many leading messages of view have k's digests.
 func (k *chainKnown) matching(view []chat.Message) int {
 	n := min(len(view), len(k.digests))
+	if k.onBase(view) {
+		return n
+	}
 	for i := range n {
 		if !view[i].HasDigest || view[i].Digest != k.digests[i] {
 			return i
@@ -182,9 +204,11 @@ func (m *chainMemo) view(view []chat.Message) (chainKnown, error) {
 		}
 	}
 	var from *chainKnown
+	onBase := false
 	if best >= 0 {
 		from = &m.known[best]
-		if bestN == len(view) && len(from.digests) == len(view) && sameIdents(from.ident, view) {
+		onBase = from.onBase(view)
+		if bestN == len(view) && len(from.digests) == len(view) && (onBase || from.ident != nil && sameIdents(from.ident, view)) {
 			return *from, nil
 		}
 	}
@@ -203,7 +227,7 @@ func (m *chainMemo) view(view []chat.Message) (chainKnown, error) {
 		msg := &view[i]
 		out.ident[i] = identOf(msg)
 		if i < bestN {
-			if out.ident[i] == from.ident[i] {
+			if from.sameBytes(view, i, onBase) {
 				out.local[i] = from.local[i]
 			} else {
 				out.local[i] = m.s.local.Tokens(msg)
@@ -275,14 +299,14 @@ func (s *Server) openConversation(r *http.Request, cr *chatRequest) *conversatio
 func (s *Server) rememberParse(cr *chatRequest, cv *conversation) {
 	req, ps := cr.req, cr.parsed
 	if e := ps.from; e != nil && ps.reused == len(req.Messages) && e.snap.Len() == len(req.Messages) &&
-		e.seed == cv.memo.seed && len(e.chain.chain) == len(req.Messages)+1 {
+		e.seed == cv.memo.seed && len(e.chain.chain) == len(req.Messages)+1 && e.pairingClean == cr.pairingClean {
 		return // nothing new: the entry stays (lookup marked it used)
 	}
 	snap := req.Snapshot()
 	if snap == nil {
 		return
 	}
-	e := &parseEntry{key: ps.key, snap: snap, seed: cv.memo.seed}
+	e := &parseEntry{key: ps.key, snap: snap, seed: cv.memo.seed, pairingClean: cr.pairingClean}
 	if sameView(cr.client, req.Messages) {
 		if k, err := cv.memo.view(req.Messages); err == nil {
 			// Without the idents: they name this request's (pooled) body.

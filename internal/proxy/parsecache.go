@@ -65,7 +65,10 @@ type parseEntry struct {
 	snap  *chat.Snapshot
 	seed  anchor.Digest
 	chain chainKnown
-	size  int
+	// pairingClean: the snapshot's messages, as a whole view, passed the
+	// pairing check with no violation.
+	pairingClean bool
+	size         int
 	used  uint64
 	elem  *list.Element // nil once evicted
 }

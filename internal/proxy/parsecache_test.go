@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"net/http"
 	"net/http/httptest"
+	"reflect"
 	"strconv"
 	"testing"
 
@@ -223,5 +224,101 @@ func TestParseCacheSameBehaviour(t *testing.T) {
 	}
 	if !compacted {
 		t.Fatal("the conversation never compacted: the test does not exercise the compaction path")
+	}
+}
+
+// The chain memo answers what anchor.ViewChain computes, whatever it
+// starts from: nothing, a parse cache entry's prefix, or earlier views of
+// the request (a shorter, a longer, a compacted one).
+func TestChainMemoMatchesViewChain(t *testing.T) {
+	up := newFakeUpstream(t, nil)
+	s := newTestProxy(t, testConfig(up.URL)).srv
+	body := chattest.AgentSteps(6, false)
+	fresh := func() []chat.Message { return mustParseProxy(t, body).Messages }
+	seed := anchor.Digest{7}
+	want := func(view []chat.Message) ([]anchor.Digest, []int) {
+		cp := append([]chat.Message(nil), view...)
+		for i := range cp {
+			cp[i].HasDigest = false
+		}
+		c, l, err := anchor.ViewChain(seed, cp, s.local)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c, l
+	}
+	check := func(name string, m *chainMemo, view []chat.Message) {
+		t.Helper()
+		c, l, err := m.chain(view)
+		if err != nil {
+			t.Fatal(err)
+		}
+		wc, wl := want(view)
+		if !reflect.DeepEqual(c, wc) || !reflect.DeepEqual(l, wl) {
+			t.Fatalf("%s: memo chain differs from ViewChain", name)
+		}
+	}
+	msgs := fresh()
+	m := &chainMemo{s: s, seed: seed}
+	check("client view", m, msgs)
+	check("same view again", m, msgs)
+	check("shorter view", m, msgs[:5])
+	compacted := append([]chat.Message{msgs[0], chat.NewTextMessage("user", "summary")}, msgs[8:]...)
+	check("compacted view", m, compacted)
+	check("client view after others", m, msgs)
+
+	// From an entry: the first n messages' chain and estimates carried over.
+	full, _, _ := m.chain(msgs)
+	k, _ := m.view(msgs)
+	e := chainKnown{digests: k.digests, chain: full, local: k.local}
+	next := mustParseProxy(t, chattest.AgentSteps(7, false)).Messages
+	for i := range len(msgs) {
+		next[i].Digest, next[i].HasDigest = msgs[i].Digest, true
+	}
+	m2 := &chainMemo{s: s, seed: seed, known: []chainKnown{e.prefix(len(msgs), next)}}
+	check("next step from the entry", m2, next)
+	check("a view of other messages", m2, next[2:])
+}
+
+func mustParseProxy(t *testing.T, body []byte) *chat.Request {
+	t.Helper()
+	r, err := chat.Parse(body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+// The pairing verdict an entry carries is only ever a clean one: a body
+// with a violation sent again is checked (and counted, and repaired) again.
+func TestParseCachePairingVerdict(t *testing.T) {
+	for _, mode := range []string{"repair", "off", "strict"} {
+		t.Run(mode, func(t *testing.T) {
+			up := newFakeUpstream(t, nil)
+			cfg := testConfig(up.URL)
+			cfg.Pairing.Mode = mode
+			p := newTestProxy(t, cfg)
+			bad := `{"model":"m","messages":[{"role":"user","content":"go"},{"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{}"}}]},{"role":"user","content":"and?"}]}`
+			good := `{"model":"m","messages":[{"role":"user","content":"go"}]}`
+			for i := range 3 {
+				resp := p.post(t, "/v1/chat/completions", good, "Authorization", "Bearer k")
+				readAll(t, resp)
+				resp = p.post(t, "/v1/chat/completions", bad, "Authorization", "Bearer k")
+				readAll(t, resp)
+				switch mode {
+				case "strict":
+					if resp.StatusCode != 400 {
+						t.Fatalf("request %d: status %d, want 400", i, resp.StatusCode)
+					}
+				case "repair":
+					if resp.Header.Get("X-Compactproxy-Pairing") != "repaired" {
+						t.Fatalf("request %d: not repaired", i)
+					}
+				}
+				if v := counter(t, p.reg, "compactproxy_pairing_violations_total", map[string]string{"kind": "unanswered_tool_call"}); v != float64(i+1) {
+					t.Fatalf("request %d: violations counted %v times", i, v)
+				}
+			}
+		})
 	}
 }
