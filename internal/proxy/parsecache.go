@@ -69,8 +69,8 @@ type parseEntry struct {
 	// pairing check with no violation.
 	pairingClean bool
 	size         int
-	used  uint64
-	elem  *list.Element // nil once evicted
+	used         uint64
+	elem         *list.Element // nil once evicted
 }
 
 func newParseCache(maxBytes int) *parseCache {
