@@ -91,6 +91,10 @@ type Request struct {
 	fieldAt      []int
 	messagesKeys int
 	head         headState
+	// Set by ParseAfter: the first shared messages are from's own (their
+	// bytes are the snapshot's copy of the body's).
+	shared int
+	from   *Snapshot
 }
 
 // msgPos is where one parsed message lies in the body: the start of its

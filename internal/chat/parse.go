@@ -258,6 +258,11 @@ func (p *parser) messages(v int) int {
 	// The last "messages" wins.
 	r.Messages, r.Total, r.UIOnlyRemoved, r.stripped = r.Messages[:0], 0, 0, false
 	r.pos = r.pos[:0]
+	if r.shared > 0 {
+		// The earlier array was resumed from a snapshot: its messages are
+		// the snapshot's, never to be written over.
+		r.Messages, r.pos, r.shared, r.from = nil, nil, 0, nil
+	}
 	r.msgStart = -1
 	i := p.ws(v + 1)
 	if i < len(data) && data[i] == ']' {

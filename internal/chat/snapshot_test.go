@@ -12,8 +12,9 @@ import (
 
 // sameParse fails unless got (from ParseAfter) is what Parse returned for
 // the same body: every field, unexported ones included (a snapshot taken
-// from got must be as good as one taken from a full parse), and every Raw
-// and Content pointing into body where Parse's do.
+// from got must be as good as one taken from a full parse), each Raw and
+// Content the same bytes at the same place, pointing into body where Parse's
+// do, or for the messages taken from the snapshot into its copy.
 func sameParse(t *testing.T, body []byte, got *Request, gotErr error) {
 	t.Helper()
 	want, wantErr := Parse(body)
@@ -27,13 +28,15 @@ func sameParse(t *testing.T, body []byte, got *Request, gotErr error) {
 		}
 		return
 	}
-	// Digests are the caller's: compare without them.
+	// Digests are the caller's; shared and from say where messages came
+	// from: compare without them.
 	gm := append([]Message(nil), got.Messages...)
 	for i := range gm {
 		gm[i].Digest, gm[i].HasDigest = [32]byte{}, false
 	}
 	g := *got
-	g.Messages = gm
+	g.Messages, g.shared, g.from = gm, 0, nil
+	g.pos = append([]msgPos(nil), got.pos...)
 	if len(g.Messages) == 0 && len(want.Messages) == 0 {
 		g.Messages = want.Messages
 	}
@@ -41,17 +44,39 @@ func sameParse(t *testing.T, body []byte, got *Request, gotErr error) {
 		g.pos = want.pos
 	}
 	if !reflect.DeepEqual(&g, want) {
-		t.Fatalf("ParseAfter differs from Parse:\n got %+v\nwant %+v", g, *want)
+		switch {
+		case !reflect.DeepEqual(g.Messages, want.Messages):
+			for i := range min(len(g.Messages), len(want.Messages)) {
+				if !reflect.DeepEqual(g.Messages[i], want.Messages[i]) {
+					t.Fatalf("message %d differs from Parse's (of %d, %d)", i, len(g.Messages), len(want.Messages))
+				}
+			}
+			t.Fatalf("%d messages, Parse has %d", len(g.Messages), len(want.Messages))
+		case !reflect.DeepEqual(g.Fields, want.Fields):
+			t.Fatalf("fields differ: %q vs %q", g.Fields, want.Fields)
+		default:
+			g.Messages, g.Fields, g.Body = nil, nil, nil
+			w := *want
+			w.Messages, w.Fields, w.Body = nil, nil, nil
+			t.Fatalf("ParseAfter differs from Parse:\n got %+v\nwant %+v", g, w)
+		}
 	}
 	for i := range got.Messages {
 		gr, wr := got.Messages[i].Raw, want.Messages[i].Raw
+		p := want.pos[i]
+		if i < got.shared {
+			if p.raw >= 0 && !sameBytes(gr, got.from.msgs[i].Raw) {
+				t.Fatalf("message %d: taken from the snapshot but not its bytes", i)
+			}
+			continue
+		}
 		if (&gr[0] == &body[0]) != (&wr[0] == &body[0]) {
 			t.Fatalf("message %d: Raw points elsewhere than Parse's", i)
 		}
-		if want.pos[i].raw >= 0 && &gr[0] != &body[want.pos[i].raw] {
+		if p.raw >= 0 && &gr[0] != &body[p.raw] {
 			t.Fatalf("message %d: Raw does not point into the body", i)
 		}
-		if c := got.Messages[i].Content; want.pos[i].raw >= 0 && len(c) > 0 && &c[0] != &body[want.pos[i].content] {
+		if c := got.Messages[i].Content; p.raw >= 0 && len(c) > 0 && &c[0] != &body[p.content] {
 			t.Fatalf("message %d: Content does not point into the body", i)
 		}
 	}
@@ -230,4 +255,85 @@ func FuzzParseAfter(f *testing.F) {
 			t.Fatal("reused messages beyond the common prefix")
 		}
 	})
+}
+
+// An agent's steps, each parsed after the snapshot of the step before:
+// every parse is Parse's, the snapshots of later steps share the first
+// one's storage until it moves, and every older snapshot still resumes
+// correctly after later ones extended (or moved) the storage.
+func TestSnapshotChainOfSteps(t *testing.T) {
+	var snaps []*Snapshot
+	var bodies [][]byte
+	snap := mustParse(t, chattest.AgentSteps(3, false)).Snapshot()
+	moved := 0
+	for steps := 4; steps < 60; steps++ {
+		body := chattest.AgentSteps(steps, false)
+		r, reused, err := ParseAfter(body, snap)
+		sameParse(t, body, r, err)
+		if reused != snap.Len() {
+			t.Fatalf("step %d: reused %d of %d", steps, reused, snap.Len())
+		}
+		for i := range r.Messages {
+			r.Messages[i].HasDigest = true // as the proxy does (shared ones carry theirs)
+		}
+		next := r.Snapshot()
+		if next.a != snap.a {
+			t.Fatalf("step %d: a new storage, not the conversation's", steps)
+		}
+		if &next.prefix[0] != &snap.prefix[0] {
+			moved++
+		}
+		if len(next.msgs) != len(r.Messages) || !bytes.Equal(next.prefix, body[:len(next.prefix)]) {
+			t.Fatalf("step %d: snapshot does not hold the body", steps)
+		}
+		snaps, bodies = append(snaps, snap), append(bodies, body)
+		snap = next
+	}
+	if moved == 0 || moved > 10 {
+		t.Fatalf("storage moved %d times over 56 steps: want a few (it grows by doubling)", moved)
+	}
+	for i, s := range snaps {
+		r, reused, err := ParseAfter(bodies[i], s)
+		sameParse(t, bodies[i], r, err)
+		if reused != s.Len() {
+			t.Fatalf("old snapshot %d: reused %d of %d", i, reused, s.Len())
+		}
+	}
+}
+
+// Two requests parsed after the same snapshot both take one: the first
+// extends the shared storage, the second (no longer at its tip) copies.
+// Parses from the old snapshot run meanwhile (go test -race).
+func TestSnapshotConcurrentExtend(t *testing.T) {
+	snap := mustParse(t, chattest.AgentSteps(5, false)).Snapshot()
+	a, b := chattest.AgentSteps(6, false), chattest.AgentSteps(7, false)
+	ra, _, _ := ParseAfter(a, snap)
+	rb, _, _ := ParseAfter(b, snap)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for range 50 {
+			r, _, err := ParseAfter(chattest.AgentSteps(5, false), snap)
+			if err != nil || len(r.Messages) != snap.Len() {
+				t.Error("a parse after the old snapshot failed")
+				return
+			}
+		}
+	}()
+	sa, sb := ra.Snapshot(), rb.Snapshot()
+	<-done
+	if sa.a != snap.a || sb.a == snap.a {
+		t.Fatal("want the first snapshot to extend the storage and the second to copy")
+	}
+	for _, c := range []struct {
+		s    *Snapshot
+		body []byte
+	}{{sa, a}, {sb, b}} {
+		next := append(bytes.Clone(c.body[:len(c.body)-1]), []byte(`,"x":1}`)...)
+		r, reused, err := ParseAfter(next, c.s)
+		sameParse(t, next, r, err)
+		if reused != c.s.Len() {
+			t.Fatalf("reused %d of %d", reused, c.s.Len())
+		}
+	}
 }

@@ -302,6 +302,13 @@ func (s *Server) rememberParse(cr *chatRequest, cv *conversation) {
 		e.seed == cv.memo.seed && len(e.chain.chain) == len(req.Messages)+1 && e.pairingClean == cr.pairingClean {
 		return // nothing new: the entry stays (lookup marked it used)
 	}
+	// A snapshot's messages carry their digests: the next request shares
+	// them as they are and never writes them (chat.ParseAfter). In pairing
+	// repair mode the view was a copy, so the parsed messages may still
+	// lack theirs.
+	if err := s.digests.hash(cr.tenant, req.Messages); err != nil {
+		return
+	}
 	snap := req.Snapshot()
 	if snap == nil {
 		return
