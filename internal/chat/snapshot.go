@@ -34,8 +34,8 @@ type Snapshot struct {
 	// room included.
 	held   int
 	fields []Field // the top-level fields before "messages", values in prefix
-	at       []int   // offsets of fields' values in prefix
-	head     headState
+	at     []int   // offsets of fields' values in prefix
+	head   headState
 }
 
 // arena is the storage the snapshots of one conversation share: the bytes
