@@ -8,9 +8,11 @@
 # does, drives compactproxy alone with loadgen at one scenario and
 # concurrency, and fetches a CPU profile of the middle of the run.
 #
-# Knobs (env): PROFILE_SCENARIO (1MiB), PROFILE_CONCURRENCY (1),
-# PROFILE_SECONDS (20), PROFILE_OUT (bench/results/profile-<scenario>-c<N>.pprof),
-# BENCH_LATENCY (20ms).
+# Knobs (env): PROFILE_SCENARIO (1MiB; also the agent scenarios cross and
+# 1MiB-compaction, run once, the profile covering PROFILE_SECONDS of them),
+# PROFILE_CONCURRENCY (1), PROFILE_SECONDS (20),
+# PROFILE_OUT (bench/results/profile-<scenario>-c<N>.pprof), BENCH_LATENCY
+# (20ms), BENCH_SUMMARIZER_LATENCY (2s).
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,6 +23,7 @@ conc="${PROFILE_CONCURRENCY:-1}"
 secs="${PROFILE_SECONDS:-20}"
 out="${PROFILE_OUT:-$root/bench/results/profile-$scenario-c$conc.pprof}"
 latency="${BENCH_LATENCY:-20ms}"
+sumlatency="${BENCH_SUMMARIZER_LATENCY:-2s}"
 
 work="$(mktemp -d "${TMPDIR:-/tmp}/compactproxy-profile.XXXXXX")"
 pids=()
@@ -51,6 +54,10 @@ CGO_ENABLED=0 go build -tags pprof -o "$work/compactproxy" ./cmd/compactproxy
 pids+=($!)
 wait_file "$work/mock.addr" "${pids[-1]}" || { log "mock did not start"; exit 1; }
 mock="$(cat "$work/mock.addr")"
+"$work/mockupstream" -latency "$sumlatency" -addr-file "$work/summock.addr" >"$work/summock.log" 2>&1 &
+pids+=($!)
+wait_file "$work/summock.addr" "${pids[-1]}" || { log "summarizer mock did not start"; exit 1; }
+summock="$(cat "$work/summock.addr")"
 "$work/bareproxy" -upstream "http://$mock" -addr-file "$work/bare.addr" >"$work/bare.log" 2>&1 &
 pids+=($!)
 wait_file "$work/bare.addr" "${pids[-1]}" || { log "bare proxy did not start"; exit 1; }
@@ -67,6 +74,9 @@ while IFS= read -r name; do unset_args+=(-u "$name"); done < <(env | sed -n 's/^
 		COMPACTPROXY_LISTEN="127.0.0.1:$port" \
 		COMPACTPROXY_UPSTREAM_URL="http://$mock/v1" \
 		COMPACTPROXY_UPSTREAM_CONTEXT_WINDOW=1000000 \
+		COMPACTPROXY_MODELS="$("$work/loadgen" -print-models)" \
+		COMPACTPROXY_COMPACTION_SUMMARIZER_URL="http://$summock/v1" \
+		COMPACTPROXY_COMPACTION_SUMMARIZER_MODEL=bench-summarizer \
 		COMPACTPROXY_LOG_LEVEL=warn \
 		./compactproxy
 ) >"$work/compactproxy.log" 2>&1 &
@@ -77,10 +87,13 @@ for _ in $(seq 1 150); do
 	sleep 0.1
 done
 
+# The agent scenarios measure against the mock too (direct).
+targets=compactproxy
+case "$scenario" in cross | 1MiB-compaction) targets=direct,compactproxy ;; esac
 # Enough rounds to outlast the profile; the budget stops loadgen after it.
 "$work/loadgen" -direct "http://$mock/v1" -bare "http://$bare/v1" \
 	-compact "http://127.0.0.1:$port/v1" -compact-pid "$cpid" -clk-tck "$(getconf CLK_TCK)" \
-	-targets compactproxy -scenarios "$scenario" -concurrency "$conc" -rounds 1000 \
+	-targets "$targets" -scenarios "$scenario" -concurrency "$conc" -rounds 1000 \
 	-budget "$((secs + 6))s" >"$work/loadgen.log" 2>&1 &
 lpid=$!
 pids+=("$lpid")
@@ -88,7 +101,7 @@ sleep 3
 mkdir -p "$(dirname "$out")"
 curl -fsS --max-time "$((secs + 30))" -o "$out" "http://127.0.0.1:$pport/debug/pprof/profile?seconds=$secs"
 wait "$lpid" || true
-grep -A3 "^$scenario c=" "$work/loadgen.log" >&2 || tail -5 "$work/loadgen.log" >&2
+grep -A3 "^$scenario c=" "$work/loadgen.log" >&2 || sed -n '/^cross:/,/^targets/p;/^1MiB-compaction:/,/^targets/p' "$work/loadgen.log" >&2
 cp "$work/compactproxy" "${out%.pprof}.bin"
 log "profile: $out (binary ${out%.pprof}.bin)"
 go tool pprof -top -nodecount=40 "${out%.pprof}.bin" "$out" 2>/dev/null | sed -n '1,50p'

@@ -25,7 +25,9 @@
 # BENCH_SCENARIOS (all; e.g. "cross" or "1MiB,1MiB-compaction"),
 # BENCH_SUMMARIZER_LATENCY (2s), BENCH_THINK (2.5s: agent think time),
 # BENCH_PRESUMMARIZE_RATIO (compactproxy's default; 0 turns background
-# summaries off, to measure the crossing request without them).
+# summaries off, to measure the crossing request without them),
+# BENCH_COMPACTPROXY_BIN (a prebuilt binary instead of building
+# ./cmd/compactproxy: an earlier commit's, to hold a change against it).
 # Bounded: every wait has a timeout, loadgen gives up on a stuck target
 # (-cell-timeout) and stops starting rounds past the budget.
 set -euo pipefail
@@ -79,7 +81,9 @@ wait_file() {
 log "building harness and compactproxy into $work"
 go build -o "$work/" ./bench/cmd/mockupstream ./bench/cmd/bareproxy ./bench/cmd/loadgen
 note=""
-if ! CGO_ENABLED=0 go build -o "$work/compactproxy" ./cmd/compactproxy >"$work/build.log" 2>&1; then
+if [ -n "${BENCH_COMPACTPROXY_BIN:-}" ]; then
+	cp "$BENCH_COMPACTPROXY_BIN" "$work/compactproxy"
+elif ! CGO_ENABLED=0 go build -o "$work/compactproxy" ./cmd/compactproxy >"$work/build.log" 2>&1; then
 	note="compactproxy did not build: $(head -c 300 "$work/build.log" | tr '\n' ' ')"
 	log "$note"
 fi
@@ -143,6 +147,9 @@ fi
 log "mock http://$mock  summarizer http://$summock  bare http://$bare (pid $bare_pid)  compactproxy ${compact_args[1]:-(absent)} (pid ${compact_pid:-none})"
 if [ -n "${BENCH_PRESUMMARIZE_RATIO:-}" ]; then
 	note="${note:+$note; }compaction.presummarize_ratio=$BENCH_PRESUMMARIZE_RATIO"
+fi
+if [ -n "${BENCH_COMPACTPROXY_BIN:-}" ]; then
+	note="${note:+$note; }compactproxy binary: $BENCH_COMPACTPROXY_BIN"
 fi
 set +e
 timeout --kill-after=10s 600s "$work/loadgen" \

@@ -249,6 +249,11 @@ func (s *Snapshot) Shared(body []byte) int {
 	return s.cuts[c] + 1
 }
 
+// Shared is the number of leading messages of r that ParseAfter took from
+// a snapshot: their bytes are the snapshot's (immutable, never reused), not
+// r.Body's.
+func (r *Request) Shared() int { return r.shared }
+
 // ParseAfter is Parse for a body that may start with the bytes of snap's
 // body. The messages the two share byte for byte (every message whose
 // element ends within their common prefix) are taken from snap as they

@@ -322,3 +322,47 @@ func TestParseCachePairingVerdict(t *testing.T) {
 		})
 	}
 }
+
+// Detaching a view for a background summary copies the messages whose
+// bytes are the (pooled) body's and keeps those the request shares with a
+// parse cache snapshot: once the body buffer is reused, every detached
+// message still reads as it did.
+func TestDetachMessagesKeepsSharedBytes(t *testing.T) {
+	prev, err := chat.Parse(chattest.AgentSteps(5, false))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range prev.Messages {
+		prev.Messages[i].HasDigest = true
+	}
+	body := chattest.AgentSteps(6, false)
+	req, reused, err := chat.ParseAfter(body, prev.Snapshot())
+	if err != nil || reused == 0 {
+		t.Fatalf("ParseAfter: %v, reused %d", err, reused)
+	}
+	want := make([][]byte, len(req.Messages))
+	for i, m := range req.Messages {
+		want[i] = bytes.Clone(m.Raw)
+	}
+	out := detachMessages(req.Messages, req)
+	for i := range out {
+		shares := sameView(out[i:i+1], req.Messages[i:i+1])
+		if shares != (i < reused) {
+			t.Fatalf("message %d: shares the request's bytes = %v, want %v (shared %d)", i, shares, i < reused, reused)
+		}
+	}
+	for i := range body {
+		body[i] = 'x' // the pooled buffer, reused by the next request
+	}
+	for i, m := range out {
+		if !bytes.Equal(m.Raw, want[i]) {
+			t.Fatalf("detached message %d changed with the body buffer", i)
+		}
+	}
+	// Without the request, everything is copied.
+	for i, m := range detachMessages(req.Messages, nil) {
+		if sameView([]chat.Message{m}, req.Messages[i:i+1]) {
+			t.Fatalf("message %d not copied", i)
+		}
+	}
+}
