@@ -128,6 +128,7 @@ type chatRequest struct {
 	headers http.Header // upstream headers
 	tenant  string
 	parsed  parsed
+	seedIn  seedInput // set by openConversation
 	// pairingClean: the parsed messages passed the pairing check with no
 	// violation (remembered by the parse cache entry of this body).
 	pairingClean bool

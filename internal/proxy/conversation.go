@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -87,6 +88,59 @@ func (s *Server) seed(req *chat.Request) anchor.Digest {
 		}
 	}
 	return anchor.Seed(s.modelIdentity(req.Model), fields)
+}
+
+// seedInput is what a request's seed is computed from: the model and the
+// raw values of anchor.PromptFields (the last occurrence of each, nil when
+// absent), as seed reads them.
+type seedInput struct {
+	model  string
+	values [8][]byte
+}
+
+func seedInputOf(req *chat.Request) seedInput {
+	in := seedInput{model: req.Model}
+	for _, f := range req.Fields {
+		for j, k := range anchor.PromptFields[:min(len(anchor.PromptFields), len(in.values))] {
+			if f.Key == k {
+				in.values[j] = f.Value
+			}
+		}
+	}
+	return in
+}
+
+// equal reports whether two inputs are the same bytes.
+func (a *seedInput) equal(b *seedInput) bool {
+	if a.model != b.model {
+		return false
+	}
+	for j := range a.values {
+		if (a.values[j] == nil) != (b.values[j] == nil) || !bytes.Equal(a.values[j], b.values[j]) {
+			return false
+		}
+	}
+	return true
+}
+
+// clone returns a copy that owns its bytes.
+func (a seedInput) clone() seedInput {
+	for j := range a.values {
+		if a.values[j] != nil {
+			a.values[j] = bytes.Clone(a.values[j])
+		}
+	}
+	return a
+}
+
+// seedFor is seed(req), taken from the parse cache entry req was parsed
+// after when it was computed from the same bytes (canonicalizing a tools
+// array is a sizeable part of a small request's cost).
+func (s *Server) seedFor(req *chat.Request, in *seedInput, e *parseEntry) anchor.Digest {
+	if len(anchor.PromptFields) <= len(in.values) && e != nil && e.seedIn.equal(in) {
+		return e.seed
+	}
+	return s.seed(req)
 }
 
 // estimator builds the Estimate closure for one request: any view's digest
@@ -278,7 +332,8 @@ func (s *Server) openConversation(r *http.Request, cr *chatRequest) *conversatio
 		s.log.Warn("message digest failed", zap.String("request_id", infoFrom(r.Context()).id), zap.Error(err))
 	}
 	id := conversationID(r, s.cfg.Compaction.ConversationHeaders, cr.forward)
-	memo := &chainMemo{s: s, seed: s.seed(cr.req)}
+	cr.seedIn = seedInputOf(cr.req)
+	memo := &chainMemo{s: s, seed: s.seedFor(cr.req, &cr.seedIn, cr.parsed.from)}
 	// The messages the body shares with the tenant's earlier body keep
 	// that body's chain when the seed (model and prompt fields) is the same.
 	if e, n := cr.parsed.from, cr.parsed.reused; e != nil && e.seed == memo.seed && len(e.chain.chain) > n && n <= len(cr.req.Messages) {
@@ -299,7 +354,7 @@ func (s *Server) openConversation(r *http.Request, cr *chatRequest) *conversatio
 func (s *Server) rememberParse(cr *chatRequest, cv *conversation) {
 	req, ps := cr.req, cr.parsed
 	if e := ps.from; e != nil && ps.reused == len(req.Messages) && e.snap.Len() == len(req.Messages) &&
-		e.seed == cv.memo.seed && len(e.chain.chain) == len(req.Messages)+1 && e.pairingClean == cr.pairingClean {
+		e.seed == cv.memo.seed && e.seedIn.equal(&cr.seedIn) && len(e.chain.chain) == len(req.Messages)+1 && e.pairingClean == cr.pairingClean {
 		return // nothing new: the entry stays (lookup marked it used)
 	}
 	// A snapshot's messages carry their digests: the next request shares
@@ -313,7 +368,7 @@ func (s *Server) rememberParse(cr *chatRequest, cv *conversation) {
 	if snap == nil {
 		return
 	}
-	e := &parseEntry{key: ps.key, snap: snap, seed: cv.memo.seed, pairingClean: cr.pairingClean}
+	e := &parseEntry{key: ps.key, snap: snap, seed: cv.memo.seed, seedIn: cr.seedIn.clone(), pairingClean: cr.pairingClean}
 	if sameView(cr.client, req.Messages) {
 		if k, err := cv.memo.view(req.Messages); err == nil {
 			// Without the idents: they name this request's (pooled) body.

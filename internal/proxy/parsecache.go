@@ -61,10 +61,11 @@ type parseKey struct {
 // digest chain and local estimates of the snapshot's messages (nil when not
 // known: the client's view differed from the parsed messages).
 type parseEntry struct {
-	key   parseKey
-	snap  *chat.Snapshot
-	seed  anchor.Digest
-	chain chainKnown
+	key    parseKey
+	snap   *chat.Snapshot
+	seed   anchor.Digest
+	seedIn seedInput // what seed was computed from (owned bytes)
+	chain  chainKnown
 	// pairingClean: the snapshot's messages, as a whole view, passed the
 	// pairing check with no violation.
 	pairingClean bool

@@ -366,3 +366,35 @@ func TestDetachMessagesKeepsSharedBytes(t *testing.T) {
 		}
 	}
 }
+
+// The seed (model and prompt fields) comes from the entry only when its
+// bytes are the same: a changed tools array after the messages, or another
+// model, gets its own.
+func TestParseCacheSeed(t *testing.T) {
+	up := newFakeUpstream(t, nil)
+	s := newTestProxy(t, testConfig(up.URL)).srv
+	body := chattest.AgentSteps(4, false)
+	req, ps := readParsed(t, s, body, "alice", "")
+	remember(t, s, req, ps)
+	for _, c := range []struct {
+		name string
+		body []byte
+	}{
+		{"same", body},
+		{"tools changed", bytes.Replace(body, []byte(`"read_file"`), []byte(`"read_files"`), 1)},
+		{"tool_choice added", append(bytes.Clone(body[:len(body)-1]), `,"tool_choice":"none"}`...)},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			r2, ps2 := readParsed(t, s, c.body, "alice", "")
+			if ps2.reused == 0 {
+				t.Fatal("nothing reused: the test does not exercise the entry")
+			}
+			hr := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", nil)
+			cr := &chatRequest{req: r2, parsed: ps2, tenant: ps2.tenant, forward: r2.Messages}
+			cv := s.openConversation(hr, cr)
+			if cv.memo.seed != s.seed(r2) {
+				t.Fatal("seed differs from the request's own")
+			}
+		})
+	}
+}
