@@ -6,7 +6,7 @@ IMAGE    ?= compactproxy
 VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS  := -s -w -X main.version=$(VERSION)
 
-.PHONY: all build run test e2e-deps agent-deps ops-deps redis-deps bench bench-go bench-load soak lint docker clean help
+.PHONY: all build run test e2e-deps agent-deps ops-deps redis-deps bench bench-go bench-load bench-profile soak lint docker clean help
 
 all: lint test build
 
@@ -15,6 +15,7 @@ help:
 	@echo "make run       go run ./cmd/compactproxy (set COMPACTPROXY_UPSTREAM_URL)"
 	@echo "make test      e2e dependencies + go test -race -count=1 ./... (what CI runs)"
 	@echo "make bench     go test benchmarks + load harness (not part of make test)"
+	@echo "make bench-profile  pprof CPU profile of compactproxy under the harness (PROFILE_SCENARIO, PROFILE_CONCURRENCY)"
 	@echo "make soak      1,000 streams for 60 s, direct vs through compactproxy (not part of make test)"
 	@echo "make lint      gofmt check + go vet"
 	@echo "make docker    docker build -t $(IMAGE):$(VERSION) ."
@@ -69,6 +70,11 @@ bench-go:
 
 bench-load:
 	./bench/run.sh
+
+# CPU profile of the real binary (built with -tags pprof) under the load
+# harness at one scenario and concurrency; see bench/profile.sh for knobs.
+bench-profile:
+	./bench/profile.sh
 
 # Not part of `make test`: long-running load, see bench/soak.sh.
 soak:

@@ -3,11 +3,17 @@
 #
 # Builds and starts, all on 127.0.0.1 with free ports:
 #   mockupstream  OpenAI-compatible upstream, fixed 20 ms latency
+#   mockupstream  a second one as the summarizer, fixed 2 s latency
 #   bareproxy     plain httputil.ReverseProxy in front of the mock (the floor)
 #   compactproxy  the real binary from ./cmd/compactproxy in front of the mock,
 #                 configured by env alone, with a context window large enough
-#                 that these requests stay below the compaction trigger
-# then runs loadgen against the three (rounds interleaved) and stops them all.
+#                 that the 16KB and 1MiB requests stay below the compaction
+#                 trigger, and windows for the agent scenarios' models
+#                 (loadgen -print-models) that put them over it
+# then runs loadgen against the three (rounds interleaved), then the agent
+# scenarios against compactproxy (cross: the request that crosses the
+# trigger, with think time between steps; 1MiB-compaction: the first
+# over-trigger request and re-applied ones at 1 MiB), and stops them all.
 # If compactproxy does not build or start, the harness still measures direct
 # and bare and reports compactproxy as failing.
 #
@@ -15,7 +21,13 @@
 # BENCH_CONCURRENCY (1,32), BENCH_OUT (bench/results), BENCH_LATENCY (20ms),
 # BENCH_BUDGET (270s: no round starts that would end after it),
 # BENCH_CONVERSATIONS (same: identical requests, one conversation; per-worker:
-# each concurrent worker sends its own X-Compactproxy-Conversation).
+# each concurrent worker sends its own X-Compactproxy-Conversation),
+# BENCH_SCENARIOS (all; e.g. "cross" or "1MiB,1MiB-compaction"),
+# BENCH_SUMMARIZER_LATENCY (2s), BENCH_THINK (2.5s: agent think time),
+# BENCH_PRESUMMARIZE_RATIO (compactproxy's default; 0 turns background
+# summaries off, to measure the crossing request without them),
+# BENCH_COMPACTPROXY_BIN (a prebuilt binary instead of building
+# ./cmd/compactproxy: an earlier commit's, to hold a change against it).
 # Bounded: every wait has a timeout, loadgen gives up on a stuck target
 # (-cell-timeout) and stops starting rounds past the budget.
 set -euo pipefail
@@ -30,6 +42,13 @@ out="${BENCH_OUT:-$root/bench/results}"
 latency="${BENCH_LATENCY:-20ms}"
 budget="${BENCH_BUDGET:-270s}"
 conversations="${BENCH_CONVERSATIONS:-same}"
+scenarios="${BENCH_SCENARIOS:-}"
+sumlatency="${BENCH_SUMMARIZER_LATENCY:-2s}"
+think="${BENCH_THINK:-2.5s}"
+presum=()
+if [ -n "${BENCH_PRESUMMARIZE_RATIO:-}" ]; then
+	presum=(COMPACTPROXY_COMPACTION_PRESUMMARIZE_RATIO="$BENCH_PRESUMMARIZE_RATIO")
+fi
 
 work="$(mktemp -d "${TMPDIR:-/tmp}/compactproxy-bench.XXXXXX")"
 pids=()
@@ -62,7 +81,9 @@ wait_file() {
 log "building harness and compactproxy into $work"
 go build -o "$work/" ./bench/cmd/mockupstream ./bench/cmd/bareproxy ./bench/cmd/loadgen
 note=""
-if ! CGO_ENABLED=0 go build -o "$work/compactproxy" ./cmd/compactproxy >"$work/build.log" 2>&1; then
+if [ -n "${BENCH_COMPACTPROXY_BIN:-}" ]; then
+	cp "$BENCH_COMPACTPROXY_BIN" "$work/compactproxy"
+elif ! CGO_ENABLED=0 go build -o "$work/compactproxy" ./cmd/compactproxy >"$work/build.log" 2>&1; then
 	note="compactproxy did not build: $(head -c 300 "$work/build.log" | tr '\n' ' ')"
 	log "$note"
 fi
@@ -71,6 +92,11 @@ fi
 pids+=($!)
 wait_file "$work/mock.addr" "${pids[-1]}" || { log "mock upstream did not start:"; cat "$work/mock.log" >&2; exit 1; }
 mock="$(cat "$work/mock.addr")"
+
+"$work/mockupstream" -latency "$sumlatency" -addr-file "$work/summock.addr" >"$work/summock.log" 2>&1 &
+pids+=($!)
+wait_file "$work/summock.addr" "${pids[-1]}" || { log "summarizer mock did not start:"; cat "$work/summock.log" >&2; exit 1; }
+summock="$(cat "$work/summock.addr")"
 
 "$work/bareproxy" -upstream "http://$mock" -addr-file "$work/bare.addr" >"$work/bare.log" 2>&1 &
 bare_pid=$!
@@ -81,6 +107,7 @@ bare="$(cat "$work/bare.addr")"
 compact_args=()
 if [ -z "$note" ]; then
 	port="$("$work/loadgen" -freeport)"
+	models="$("$work/loadgen" -print-models)"
 	# Env alone configures it (no config file: run from the work directory,
 	# and drop any COMPACTPROXY_* the caller has set).
 	unset_args=()
@@ -91,6 +118,10 @@ if [ -z "$note" ]; then
 			COMPACTPROXY_LISTEN="127.0.0.1:$port" \
 			COMPACTPROXY_UPSTREAM_URL="http://$mock/v1" \
 			COMPACTPROXY_UPSTREAM_CONTEXT_WINDOW=1000000 \
+			COMPACTPROXY_MODELS="$models" \
+			COMPACTPROXY_COMPACTION_SUMMARIZER_URL="http://$summock/v1" \
+			COMPACTPROXY_COMPACTION_SUMMARIZER_MODEL=bench-summarizer \
+			"${presum[@]}" \
 			COMPACTPROXY_LOG_LEVEL=warn \
 			./compactproxy
 	) >"$work/compactproxy.log" 2>&1 &
@@ -113,12 +144,19 @@ if [ -z "$note" ]; then
 	fi
 fi
 
-log "mock http://$mock  bare http://$bare (pid $bare_pid)  compactproxy ${compact_args[1]:-(absent)} (pid ${compact_pid:-none})"
+log "mock http://$mock  summarizer http://$summock  bare http://$bare (pid $bare_pid)  compactproxy ${compact_args[1]:-(absent)} (pid ${compact_pid:-none})"
+if [ -n "${BENCH_PRESUMMARIZE_RATIO:-}" ]; then
+	note="${note:+$note; }compaction.presummarize_ratio=$BENCH_PRESUMMARIZE_RATIO"
+fi
+if [ -n "${BENCH_COMPACTPROXY_BIN:-}" ]; then
+	note="${note:+$note; }compactproxy binary: $BENCH_COMPACTPROXY_BIN"
+fi
 set +e
 timeout --kill-after=10s 600s "$work/loadgen" \
 	-direct "http://$mock/v1" -bare "http://$bare/v1" -bare-pid "$bare_pid" \
 	"${compact_args[@]}" \
 	-clk-tck "$(getconf CLK_TCK)" -rounds "$rounds" -scale "$scale" -concurrency "$conc" -budget "$budget" -conversations "$conversations" \
+	-scenarios "$scenarios" -summarizer-latency "$sumlatency" -think "$think" \
 	-out "$out" -note "$note"
 rc=$?
 set -e

@@ -85,7 +85,7 @@ for backend in ${BENCH_BACKENDS:-redis bolt}; do
 		-direct "http://$mock/v1" -bare "${url[memory]}" -bare-pid "${pid[memory]}" \
 		-compact "${url[$backend]}" -compact-pid "${pid[$backend]}" \
 		-clk-tck "$(getconf CLK_TCK)" -rounds "$rounds" -concurrency "$conc" -budget "$budget" \
-		-conversations "$conversations" -out "$out/$backend" \
+		-conversations "$conversations" -scenarios 16KB,16KB-stream,1MiB -out "$out/$backend" \
 		-note "stores.sh: bare = store.backend memory, compactproxy = store.backend $backend" || rc=$?
 	for name in memory "$backend"; do
 		if grep -q . "$work/$name.log"; then log "$name log (tail):"; tail -n 5 "$work/$name.log" >&2; fi

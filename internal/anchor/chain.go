@@ -80,13 +80,20 @@ func writeLenPrefixed(h hash.Hash, b []byte) {
 func Chain(seed Digest, msgs []Digest) []Digest {
 	out := make([]Digest, len(msgs)+1)
 	out[0] = seed
-	var buf [64]byte
 	for i := range msgs {
-		copy(buf[:32], out[i][:])
-		copy(buf[32:], msgs[i][:])
-		out[i+1] = sha256.Sum256(buf[:])
+		out[i+1] = Link(out[i], msgs[i])
 	}
 	return out
+}
+
+// Link is one step of a digest chain: the digest of the view that extends
+// the view whose digest is prev by the message whose hash is msg,
+// SHA-256(prev || msg).
+func Link(prev, msg Digest) Digest {
+	var buf [64]byte
+	copy(buf[:32], prev[:])
+	copy(buf[32:], msg[:])
+	return sha256.Sum256(buf[:])
 }
 
 // ViewChain computes what EstimateView needs for a view: its digest chain
@@ -103,7 +110,6 @@ func ViewChain(seed Digest, msgs []chat.Message, est LocalEstimator) ([]Digest, 
 	chain := make([]Digest, len(msgs)+1)
 	local := make([]int, len(msgs))
 	chain[0] = seed
-	var buf [64]byte
 	for i := range msgs {
 		m := &msgs[i]
 		if !m.HasDigest {
@@ -113,9 +119,7 @@ func ViewChain(seed Digest, msgs []chat.Message, est LocalEstimator) ([]Digest, 
 			}
 			m.Digest, m.HasDigest = d, true
 		}
-		copy(buf[:32], chain[i][:])
-		copy(buf[32:], m.Digest[:])
-		chain[i+1] = sha256.Sum256(buf[:])
+		chain[i+1] = Link(chain[i], m.Digest)
 		local[i] = est.Tokens(m)
 	}
 	return chain, local, nil

@@ -91,3 +91,55 @@ func BenchmarkEncodingJSON(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkParseAfter is the parse of an agent's next step (the same history
+// plus one assistant turn and its tool answer) resumed from a snapshot of
+// the previous step, next to the full parse of the same body, and the cost
+// of taking the snapshot.
+func BenchmarkParseAfter(b *testing.B) {
+	prev := chattest.AgentBody(1<<20, false)
+	r, err := Parse(prev)
+	if err != nil {
+		b.Fatal(err)
+	}
+	steps := 0
+	for len(chattest.AgentSteps(steps, false)) < len(prev) {
+		steps += 50
+	}
+	for len(chattest.AgentSteps(steps, false)) > len(prev) {
+		steps--
+	}
+	prev = chattest.AgentSteps(steps, false)
+	next := chattest.AgentSteps(steps+1, false)
+	if r, err = Parse(prev); err != nil {
+		b.Fatal(err)
+	}
+	snap := r.Snapshot()
+	b.Run("1MiB/full", func(b *testing.B) {
+		b.SetBytes(int64(len(next)))
+		b.ReportAllocs()
+		for b.Loop() {
+			if _, err := Parse(next); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("1MiB/resumed", func(b *testing.B) {
+		b.SetBytes(int64(len(next)))
+		b.ReportAllocs()
+		for b.Loop() {
+			if _, n, err := ParseAfter(next, snap); err != nil || n != len(r.Messages) {
+				b.Fatal(err, n)
+			}
+		}
+	})
+	b.Run("1MiB/snapshot", func(b *testing.B) {
+		b.SetBytes(int64(len(prev)))
+		b.ReportAllocs()
+		for b.Loop() {
+			if r.Snapshot() == nil {
+				b.Fatal("no snapshot")
+			}
+		}
+	})
+}

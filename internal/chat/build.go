@@ -140,7 +140,22 @@ func (r *Request) Unchanged(msgs []Message) bool {
 	body := r.Body
 	s := scanner{data: body}
 	pos := s.ws(r.msgStart + 1) // after '['
-	for k := range msgs {
+	first := 0
+	if n := r.shared; n > 0 {
+		// Messages ParseAfter took from a snapshot hold the snapshot's
+		// copy of the body's bytes: they are the body's when they are
+		// those very messages.
+		if len(msgs) < n {
+			return false
+		}
+		for k := range n {
+			if !sameBytes(msgs[k].Raw, r.Messages[k].Raw) {
+				return false
+			}
+		}
+		pos, first = s.ws(r.pos[n-1].end), n
+	}
+	for k := first; k < len(msgs); k++ {
 		raw := msgs[k].Raw
 		if k > 0 {
 			if pos >= len(body) || body[pos] != ',' {

@@ -83,6 +83,34 @@ type Request struct {
 	// in Body, and whether any message lost a "ui_only" key.
 	msgStart, msgEnd int
 	stripped         bool
+
+	// Set by Parse for Snapshot: where each of Messages and each of Fields
+	// lies in Body, how many "messages" keys the body has, and what the
+	// parse knew when it reached the (last) "messages" value.
+	pos          []msgPos
+	fieldAt      []int
+	messagesKeys int
+	head         headState
+	// Set by ParseAfter: the first shared messages are from's own (their
+	// bytes are the snapshot's copy of the body's).
+	shared int
+	from   *Snapshot
+}
+
+// msgPos is where one parsed message lies in the body: the start of its
+// object (raw) and of its "content" value (content, -1 when absent), and
+// the end of its element (end). raw is -1 for a message whose bytes are its
+// own (one that lost a "ui_only" key).
+type msgPos struct{ raw, content, end int }
+
+// headState is what the parser has read when it reaches the "messages"
+// value: the top-level fields before it.
+type headState struct {
+	fields                   int // len(Fields)
+	model                    string
+	stream, includeUsage     bool
+	maxTokens, maxCompletion int
+	value                    int // index of the "messages" value ('[')
 }
 
 // ParseError is a client error in the body: the proxy answers 400 with

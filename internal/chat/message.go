@@ -6,6 +6,8 @@ type messageInfo struct {
 	roleOK   bool // "role" (last occurrence) is a string
 	uiOnly   bool // "ui_only" (last occurrence) is the literal true
 	uiKeys   int  // number of "ui_only" members
+	// contentAt is the index of the (last) "content" value, -1 when absent.
+	contentAt int
 }
 
 // message decodes the object whose '{' is at i, nested inside depth
@@ -56,6 +58,7 @@ func (s *scanner) message(i, depth int, m *Message, info *messageInfo) int {
 				m.Role, info.roleOK = "", false
 			}
 		case "content":
+			info.contentAt = v
 			i = s.content(v, depth, m)
 		case "tool_calls":
 			i = s.toolCalls(v, depth, m)

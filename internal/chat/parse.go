@@ -53,8 +53,15 @@ func Parse(body []byte) (*Request, error) {
 			p.shapeError("", "request body must be a JSON object")
 		}
 	}
+	return p.finish(i)
+}
+
+// finish checks that nothing but whitespace follows the top-level value
+// that ended at i (-1: after an error) and returns the request or the
+// first error.
+func (p *parser) finish(i int) (*Request, error) {
 	if i >= 0 {
-		if j := p.ws(i); j < len(body) {
+		if j := p.ws(i); j < len(p.data) {
 			p.unexpected(j, "after the top-level value")
 		}
 	}
@@ -76,63 +83,80 @@ func Parse(body []byte) (*Request, error) {
 
 // top parses the request object whose '{' is at i.
 func (p *parser) top(i int) int {
-	data, r := p.data, p.r
-	sawMessages := false
 	i = p.ws(i + 1)
-	if i < len(data) && data[i] == '}' {
-		i++
-	} else {
-		for {
-			if i >= len(data) || data[i] != '"' {
-				return p.unexpected(i, "where an object key was expected")
-			}
-			kend := p.str(i)
-			if kend < 0 {
-				return -1
-			}
-			key := data[i+1 : kend-1]
-			if p.esc > 0 {
-				key = appendUnescaped(nil, key)
-			}
-			v := p.colon(kend)
-			if v < 0 {
-				return -1
-			}
-			switch string(key) {
-			case "messages":
-				sawMessages = true
-				i = p.messages(v)
-			case "model":
-				r.Model = ""
-				if data[v] == '"' {
-					if i = p.str(v); i >= 0 {
-						r.Model = text(data[v:i], p.esc > 0)
-					}
-				} else {
-					i = p.skip(v, 1)
+	if i < len(p.data) && p.data[i] == '}' {
+		p.shapeError("messages", `"messages" is missing`)
+		return i + 1
+	}
+	return p.members(i, false)
+}
+
+// headState is what the parser knows when the "messages" value at v
+// begins.
+func (p *parser) headState(v int) headState {
+	r := p.r
+	return headState{fields: len(r.Fields), model: r.Model, stream: r.Stream, includeUsage: r.IncludeUsage,
+		maxTokens: p.maxTokens, maxCompletion: p.maxCompletion, value: v}
+}
+
+// members parses the request object's members from the key at i to its
+// closing brace; sawMessages tells whether a "messages" member came before
+// i. It returns the index after the object.
+func (p *parser) members(i int, sawMessages bool) int {
+	data, r := p.data, p.r
+	for {
+		if i >= len(data) || data[i] != '"' {
+			return p.unexpected(i, "where an object key was expected")
+		}
+		kend := p.str(i)
+		if kend < 0 {
+			return -1
+		}
+		key := data[i+1 : kend-1]
+		if p.esc > 0 {
+			key = appendUnescaped(nil, key)
+		}
+		v := p.colon(kend)
+		if v < 0 {
+			return -1
+		}
+		switch string(key) {
+		case "messages":
+			sawMessages = true
+			r.messagesKeys++
+			r.head = p.headState(v)
+			i = p.messages(v)
+		case "model":
+			r.Model = ""
+			if data[v] == '"' {
+				if i = p.str(v); i >= 0 {
+					r.Model = text(data[v:i], p.esc > 0)
 				}
-			case "stream":
-				i = p.skip(v, 1)
-				r.Stream = i == v+4 && data[v] == 't'
-			case "max_tokens":
-				i = p.skip(v, 1)
-				p.maxTokens = intValue(data[v:max(i, v)])
-			case "max_completion_tokens":
-				i = p.skip(v, 1)
-				p.maxCompletion = intValue(data[v:max(i, v)])
-			case "stream_options":
-				i = p.streamOptions(v)
-			default:
+			} else {
 				i = p.skip(v, 1)
 			}
-			if i < 0 {
-				return -1
-			}
-			r.Fields = append(r.Fields, Field{Key: fieldKey(key), Value: data[v:i]})
-			var more bool
-			if i, more = p.next(i, '}'); !more {
-				break
-			}
+		case "stream":
+			i = p.skip(v, 1)
+			r.Stream = i == v+4 && data[v] == 't'
+		case "max_tokens":
+			i = p.skip(v, 1)
+			p.maxTokens = intValue(data[v:max(i, v)])
+		case "max_completion_tokens":
+			i = p.skip(v, 1)
+			p.maxCompletion = intValue(data[v:max(i, v)])
+		case "stream_options":
+			i = p.streamOptions(v)
+		default:
+			i = p.skip(v, 1)
+		}
+		if i < 0 {
+			return -1
+		}
+		r.Fields = append(r.Fields, Field{Key: fieldKey(key), Value: data[v:i]})
+		r.fieldAt = append(r.fieldAt, v)
+		var more bool
+		if i, more = p.next(i, '}'); !more {
+			break
 		}
 	}
 	if i >= 0 && !sawMessages {
@@ -233,14 +257,35 @@ func (p *parser) messages(v int) int {
 	}
 	// The last "messages" wins.
 	r.Messages, r.Total, r.UIOnlyRemoved, r.stripped = r.Messages[:0], 0, 0, false
+	r.pos = r.pos[:0]
+	if r.shared > 0 {
+		// The earlier array was resumed from a snapshot: its messages are
+		// the snapshot's, never to be written over.
+		r.Messages, r.pos, r.shared, r.from = nil, nil, 0, nil
+	}
 	r.msgStart = -1
 	i := p.ws(v + 1)
 	if i < len(data) && data[i] == ']' {
 		r.msgStart, r.msgEnd = v, i+1
 		return i + 1
 	}
-	idx := 0
+	return p.elements(v, i, 0, false)
+}
+
+// elements parses the elements of the messages array whose '[' is at v,
+// from the one at i (after is false) or from what follows the element that
+// ended at i (after is true: a comma and the next element, or the closing
+// bracket); idx elements came before. It returns the index after the array.
+func (p *parser) elements(v, i, idx int, after bool) int {
+	data, r := p.data, p.r
 	for {
+		if after {
+			var more bool
+			if i, more = p.next(i, ']'); !more {
+				break
+			}
+		}
+		after = true
 		if i >= len(data) {
 			return p.unexpected(i, "inside array")
 		}
@@ -248,7 +293,7 @@ func (p *parser) messages(v int) int {
 			start := i
 			r.Messages = append(r.Messages, Message{})
 			m := &r.Messages[len(r.Messages)-1]
-			var info messageInfo
+			info := messageInfo{contentAt: -1}
 			if i = p.message(i, 2, m, &info); i < 0 {
 				return -1
 			}
@@ -270,9 +315,11 @@ func (p *parser) messages(v int) int {
 					// points into Raw like for every other message.
 					*m = decodeMessage(p.stripMembers(start, i), idx)
 					r.stripped = true
+					r.pos = append(r.pos, msgPos{raw: -1, content: -1, end: i})
 				} else {
 					m.Index = idx
 					m.Raw = data[start:i:i]
+					r.pos = append(r.pos, msgPos{raw: start, content: info.contentAt, end: i})
 				}
 			}
 		} else {
@@ -283,10 +330,6 @@ func (p *parser) messages(v int) int {
 			}
 		}
 		idx++
-		var more bool
-		if i, more = p.next(i, ']'); !more {
-			break
-		}
 	}
 	if i >= 0 {
 		r.Total = idx

@@ -350,6 +350,13 @@ func summaryBlock(s *Summary, msgs []chat.Message) []chat.Message {
 // asserts its own output with it; the proxy checks client requests with it).
 func PairingView(view []chat.Message) []pairing.Message {
 	out := make([]pairing.Message, len(view))
+	// One backing array for every message's calls: an agent's view has an
+	// assistant turn every other message.
+	n := 0
+	for i := range view {
+		n += len(view[i].ToolCalls)
+	}
+	calls := make([]pairing.Call, n)
 	for i := range view {
 		m := &view[i]
 		pm := pairing.Message{
@@ -361,7 +368,7 @@ func PairingView(view []chat.Message) []pairing.Message {
 			HasContent:    m.TextBytes > 0 || m.MediaParts > 0,
 		}
 		if len(m.ToolCalls) > 0 {
-			pm.Calls = make([]pairing.Call, len(m.ToolCalls))
+			pm.Calls, calls = calls[:len(m.ToolCalls):len(m.ToolCalls)], calls[len(m.ToolCalls):]
 			for k, c := range m.ToolCalls {
 				pm.Calls[k] = pairing.Call{ID: c.ID, HasID: c.HasID, Name: c.Name}
 			}

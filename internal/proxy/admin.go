@@ -24,14 +24,14 @@ type previewResponse struct {
 // runs (and stores) a summary as a real request would.
 func (s *Server) handlePreview(w http.ResponseWriter, r *http.Request) {
 	ri := infoFrom(r.Context())
-	req, pb, ok := s.readChatRequest(w, r)
+	req, pb, ps, ok := s.readChatRequest(w, r)
 	if !ok {
 		return
 	}
 	defer pb.release()
 	ci := &chatInfo{model: req.Model, messages: len(req.Messages), action: "none"}
 	ri.chat = ci
-	cr := &chatRequest{req: req, forward: req.Messages, respHeaders: http.Header{}, tenant: tenantOf(s.tenantSecret, r.Header)}
+	cr := &chatRequest{req: req, forward: req.Messages, respHeaders: http.Header{}, tenant: ps.tenant, parsed: ps}
 	if !s.checkPairing(w, r, cr, ci) {
 		return
 	}

@@ -136,3 +136,55 @@ func benchTargets(b *testing.B, prefix, upURL string, body []byte) {
 		})
 	}
 }
+
+// BenchmarkAgentSteps is an agent's loop at about 1 MiB of history: every
+// request is the previous one plus one assistant turn and its tool answer
+// (cycling through 32 steps), next to the bare forwarder and to
+// compactproxy without its parse cache, in the same run. With the cache,
+// a step parses, hashes and chains only its new messages.
+func BenchmarkAgentSteps(b *testing.B) {
+	steps := 0
+	for len(chattest.AgentSteps(steps+50, false)) < 1<<20 {
+		steps += 50
+	}
+	bodies := make([][]byte, 32)
+	for i := range bodies {
+		bodies[i] = chattest.AgentSteps(steps+i, false)
+	}
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, okCompletion)
+	}))
+	defer up.Close()
+	cfg := testConfig(up.URL)
+	cfg.Upstream.ContextWindow = 1000000
+	nocache := func() http.Handler {
+		srv, err := New(cfg, zap.NewNop(), prometheus.NewRegistry())
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { srv.Close() })
+		srv.parses = newParseCache(0)
+		return srv.Handler()
+	}
+	for _, target := range []struct {
+		name string
+		h    http.Handler
+	}{{"bare", bareForwarder(up.URL)}, {"compactproxy", newBenchProxy(b, cfg)}, {"compactproxy-nocache", nocache()}} {
+		b.Run("1MiB/"+target.name, func(b *testing.B) {
+			b.SetBytes(int64(len(bodies[0])))
+			i := 0
+			for b.Loop() {
+				req := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", bytes.NewReader(bodies[i%len(bodies)]))
+				req.Header.Set("Authorization", "Bearer k")
+				w := httptest.NewRecorder()
+				target.h.ServeHTTP(w, req)
+				if w.Code != 200 {
+					b.Fatalf("status %d: %s", w.Code, w.Body.String())
+				}
+				i++
+			}
+		})
+	}
+}

@@ -24,19 +24,30 @@ func writeUnauthorized(w http.ResponseWriter) {
 // any problem: 401, 413, 400 in OpenAI's envelope, or 499 for a client that
 // went away mid-upload.
 //
+// The body is parsed after the tenant's most similar recent body when one
+// shares leading messages with it (parseCache): those are not scanned,
+// hashed or chained again. The returned parsed says which.
+//
 // The body buffer may be pooled: the caller calls the returned pooledBody's
 // release (nil-safe) when the request is over.
-func (s *Server) readChatRequest(w http.ResponseWriter, r *http.Request) (*chat.Request, *pooledBody, bool) {
+func (s *Server) readChatRequest(w http.ResponseWriter, r *http.Request) (*chat.Request, *pooledBody, parsed, bool) {
 	if !s.auth.allow(r.Header) {
 		writeUnauthorized(w)
-		return nil, nil, false
+		return nil, nil, parsed{}, false
 	}
 	pb, err := readBodyWithin(w, r, s.cfg.Limits.MaxBodyBytes, s.cfg.Limits.BodyReadTimeout)
 	if err != nil {
 		s.answerBodyError(w, r, err)
-		return nil, nil, false
+		return nil, nil, parsed{}, false
 	}
-	req, err := chat.Parse(pb.buf)
+	ps := parsed{tenant: tenantOf(s.tenantSecret, r.Header)}
+	ps.key = s.parses.key(ps.tenant, conversationHeader(r, s.cfg.Compaction.ConversationHeaders), pb.buf)
+	ps.from = s.parses.lookup(ps.key, pb.buf)
+	var snap *chat.Snapshot
+	if ps.from != nil {
+		snap = ps.from.snap
+	}
+	req, reused, err := chat.ParseAfter(pb.buf, snap)
 	if err != nil {
 		pb.release()
 		var pe *chat.ParseError
@@ -45,9 +56,22 @@ func (s *Server) readChatRequest(w http.ResponseWriter, r *http.Request) (*chat.
 		} else {
 			writeInvalid(w, "", err.Error())
 		}
-		return nil, nil, false
+		return nil, nil, parsed{}, false
 	}
-	return req, pb, true
+	ps.reused = reused
+	if reused == 0 {
+		ps.from = nil
+	}
+	return req, pb, ps, true
+}
+
+// parsed is how a request's body was parsed: the tenant, its parse cache
+// key, and the entry whose first reused messages it took (nil: none).
+type parsed struct {
+	tenant string
+	key    parseKey
+	from   *parseEntry
+	reused int
 }
 
 // hopHeaders are not forwarded (RFC 9110 § 7.6.1) plus the ones we set.
@@ -103,6 +127,11 @@ type chatRequest struct {
 	req     *chat.Request
 	headers http.Header // upstream headers
 	tenant  string
+	parsed  parsed
+	seedIn  seedInput // set by openConversation
+	// pairingClean: the parsed messages passed the pairing check with no
+	// violation (remembered by the parse cache entry of this body).
+	pairingClean bool
 	// forward is the view that will be sent; unchanged reports whether it
 	// is byte-for-byte the client's body (the fast path).
 	forward   []chat.Message
@@ -129,7 +158,7 @@ type chatRequest struct {
 func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 	ri := infoFrom(r.Context())
 	start := time.Now()
-	req, pb, ok := s.readChatRequest(w, r)
+	req, pb, ps, ok := s.readChatRequest(w, r)
 	if !ok {
 		return
 	}
@@ -144,7 +173,8 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 		req:         req,
 		pb:          pb,
 		headers:     s.upstreamHeaders(r.Header),
-		tenant:      tenantOf(s.tenantSecret, r.Header),
+		tenant:      ps.tenant,
+		parsed:      ps,
 		forward:     req.Messages,
 		unchanged:   req.Unchanged(req.Messages),
 		respHeaders: http.Header{},

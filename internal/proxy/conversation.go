@@ -1,10 +1,12 @@
 package proxy
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"net/http"
 	"strconv"
 	"strings"
@@ -88,6 +90,59 @@ func (s *Server) seed(req *chat.Request) anchor.Digest {
 	return anchor.Seed(s.modelIdentity(req.Model), fields)
 }
 
+// seedInput is what a request's seed is computed from: the model and the
+// raw values of anchor.PromptFields (the last occurrence of each, nil when
+// absent), as seed reads them.
+type seedInput struct {
+	model  string
+	values [8][]byte
+}
+
+func seedInputOf(req *chat.Request) seedInput {
+	in := seedInput{model: req.Model}
+	for _, f := range req.Fields {
+		for j, k := range anchor.PromptFields[:min(len(anchor.PromptFields), len(in.values))] {
+			if f.Key == k {
+				in.values[j] = f.Value
+			}
+		}
+	}
+	return in
+}
+
+// equal reports whether two inputs are the same bytes.
+func (a *seedInput) equal(b *seedInput) bool {
+	if a.model != b.model {
+		return false
+	}
+	for j := range a.values {
+		if (a.values[j] == nil) != (b.values[j] == nil) || !bytes.Equal(a.values[j], b.values[j]) {
+			return false
+		}
+	}
+	return true
+}
+
+// clone returns a copy that owns its bytes.
+func (a seedInput) clone() seedInput {
+	for j := range a.values {
+		if a.values[j] != nil {
+			a.values[j] = bytes.Clone(a.values[j])
+		}
+	}
+	return a
+}
+
+// seedFor is seed(req), taken from the parse cache entry req was parsed
+// after when it was computed from the same bytes (canonicalizing a tools
+// array is a sizeable part of a small request's cost).
+func (s *Server) seedFor(req *chat.Request, in *seedInput, e *parseEntry) anchor.Digest {
+	if len(anchor.PromptFields) <= len(in.values) && e != nil && e.seedIn.equal(in) {
+		return e.seed
+	}
+	return s.seed(req)
+}
+
 // estimator builds the Estimate closure for one request: any view's digest
 // chain, the conversation's anchors, the local estimate and the model's
 // calibration ratio.
@@ -102,45 +157,164 @@ func (s *Server) estimator(memo *chainMemo, anchors []anchor.Anchor, identity st
 	}
 }
 
-// chainMemo computes views' digest chains for one request and remembers
-// the last one: the same view is measured several times (the client's view
-// by the proxy and by the engine, the forwarded view again when its usage
-// is recorded), and a chain is a function of the seed and the messages'
-// digests alone, so equal digests mean an equal chain.
+// chainMemo computes views' digest chains for one request. A request
+// measures several views that share leading messages (the client's view by
+// the proxy and by the engine, candidate compacted views, the forwarded
+// view again when its usage is recorded), and a chain is a function of the
+// seed and the messages' digests alone: a view whose first n digests are
+// those of a view already chained shares its first n+1 links, and only the
+// rest are hashed. A request whose body extends an earlier one of its
+// tenant starts with that body's chain (parseCache), so an agent's step
+// chains only its new messages.
 type chainMemo struct {
-	s       *Server
-	seed    anchor.Digest
+	s     *Server
+	seed  anchor.Digest
+	known []chainKnown // most recent first, at most memoViews
+}
+
+// memoViews is how many chained views a request remembers.
+const memoViews = 4
+
+// chainKnown is one chained view: its messages' digests, its chain (one
+// longer) and its messages' local estimates, with which bytes each estimate
+// was made from (an estimate is reused for the same bytes only: two
+// messages with the same digest may differ in escapes, and so in their
+// estimate). Never written once made: requests and views share them.
+type chainKnown struct {
 	digests []anchor.Digest
-	last    []anchor.Digest
+	chain   []anchor.Digest
+	local   []int
+	ident   []rawIdent
+	// base, when ident is nil, names the bytes instead: the first
+	// len(digests) messages of the view that starts at base (the
+	// request's parsed messages, which are never rewritten) are the known
+	// ones, so that view is matched without a per-message comparison.
+	base *chat.Message
+}
+
+// rawIdent identifies a message's bytes by address and length.
+type rawIdent struct {
+	p *byte
+	n int
+}
+
+func identOf(m *chat.Message) rawIdent {
+	if len(m.Raw) == 0 {
+		return rawIdent{}
+	}
+	return rawIdent{&m.Raw[0], len(m.Raw)}
+}
+
+// prefix is the first n messages of k, as the request's parsed messages
+// msgs (whose first n messages have k's bytes) know them.
+func (k chainKnown) prefix(n int, msgs []chat.Message) chainKnown {
+	out := chainKnown{digests: k.digests[:n], chain: k.chain[:n+1], local: k.local[:n]}
+	if n > 0 {
+		out.base = &msgs[0]
+	}
+	return out
+}
+
+// onBase reports whether view starts at k's base (see base).
+func (k *chainKnown) onBase(view []chat.Message) bool {
+	return k.ident == nil && k.base != nil && len(view) > 0 && &view[0] == k.base
+}
+
+// sameBytes reports whether message i of view (i < matching) has the
+// bytes k's estimate of it was made from.
+func (k *chainKnown) sameBytes(view []chat.Message, i int, onBase bool) bool {
+	if k.ident == nil {
+		return onBase
+	}
+	return identOf(&view[i]) == k.ident[i]
+}
+
+// matching is how many leading messages of view have k's digests.
+func (k *chainKnown) matching(view []chat.Message) int {
+	n := min(len(view), len(k.digests))
+	if k.onBase(view) {
+		return n
+	}
+	for i := range n {
+		if !view[i].HasDigest || view[i].Digest != k.digests[i] {
+			return i
+		}
+	}
+	return n
 }
 
 func (m *chainMemo) chain(view []chat.Message) ([]anchor.Digest, []int, error) {
-	if m.last != nil && len(view) == len(m.digests) {
-		same := true
-		for i := range view {
-			if !view[i].HasDigest || view[i].Digest != m.digests[i] {
-				same = false
-				break
-			}
-		}
-		if same {
-			local := make([]int, len(view))
-			for i := range view {
-				local[i] = m.s.local.Tokens(&view[i])
-			}
-			return m.last, local, nil
+	k, err := m.view(view)
+	return k.chain, k.local, err
+}
+
+// view returns view's chain, from what the memo knows where it can.
+// Messages without a digest get one, in place (as anchor.ViewChain does).
+func (m *chainMemo) view(view []chat.Message) (chainKnown, error) {
+	best, bestN := -1, 0
+	for i := range m.known {
+		if n := m.known[i].matching(view); best < 0 || n > bestN {
+			best, bestN = i, n
 		}
 	}
-	chain, local, err := anchor.ViewChain(m.seed, view, m.s.local)
-	if err != nil {
-		return nil, nil, err
+	var from *chainKnown
+	onBase := false
+	if best >= 0 {
+		from = &m.known[best]
+		onBase = from.onBase(view)
+		if bestN == len(view) && len(from.digests) == len(view) && (onBase || from.ident != nil && sameIdents(from.ident, view)) {
+			return *from, nil
+		}
 	}
-	m.digests = m.digests[:0]
+	out := chainKnown{
+		digests: make([]anchor.Digest, len(view)),
+		chain:   make([]anchor.Digest, len(view)+1),
+		local:   make([]int, len(view)),
+		ident:   make([]rawIdent, len(view)),
+	}
+	out.chain[0] = m.seed
+	if from != nil {
+		copy(out.chain, from.chain[:bestN+1])
+		copy(out.digests, from.digests[:bestN])
+	}
 	for i := range view {
-		m.digests = append(m.digests, view[i].Digest)
+		msg := &view[i]
+		out.ident[i] = identOf(msg)
+		if i < bestN {
+			if from.sameBytes(view, i, onBase) {
+				out.local[i] = from.local[i]
+			} else {
+				out.local[i] = m.s.local.Tokens(msg)
+			}
+			continue
+		}
+		if !msg.HasDigest {
+			d, err := anchor.MessageHash(msg.Raw)
+			if err != nil {
+				return chainKnown{}, fmt.Errorf("anchor: message %d: %w", i, err)
+			}
+			msg.Digest, msg.HasDigest = d, true
+		}
+		out.digests[i] = msg.Digest
+		out.chain[i+1] = anchor.Link(out.chain[i], msg.Digest)
+		out.local[i] = m.s.local.Tokens(msg)
 	}
-	m.last = chain
-	return chain, local, nil
+	if len(m.known) < memoViews {
+		m.known = append(m.known, chainKnown{})
+	}
+	copy(m.known[1:], m.known)
+	m.known[0] = out
+	return out, nil
+}
+
+// sameIdents reports whether view's messages are the bytes ident names.
+func sameIdents(ident []rawIdent, view []chat.Message) bool {
+	for i := range view {
+		if identOf(&view[i]) != ident[i] {
+			return false
+		}
+	}
+	return true
 }
 
 // conversation is what one request knows about its conversation: the
@@ -158,12 +332,50 @@ func (s *Server) openConversation(r *http.Request, cr *chatRequest) *conversatio
 		s.log.Warn("message digest failed", zap.String("request_id", infoFrom(r.Context()).id), zap.Error(err))
 	}
 	id := conversationID(r, s.cfg.Compaction.ConversationHeaders, cr.forward)
+	cr.seedIn = seedInputOf(cr.req)
+	memo := &chainMemo{s: s, seed: s.seedFor(cr.req, &cr.seedIn, cr.parsed.from)}
+	// The messages the body shares with the tenant's earlier body keep
+	// that body's chain when the seed (model and prompt fields) is the same.
+	if e, n := cr.parsed.from, cr.parsed.reused; e != nil && e.seed == memo.seed && len(e.chain.chain) > n && n <= len(cr.req.Messages) {
+		memo.known = append(memo.known, e.chain.prefix(n, cr.req.Messages))
+	}
 	return &conversation{
 		id:       id,
 		key:      storeKey(cr.tenant, id),
 		identity: s.modelIdentity(cr.req.Model),
-		memo:     &chainMemo{s: s, seed: s.seed(cr.req)},
+		memo:     memo,
 	}
+}
+
+// rememberParse keeps this request's parsed messages, digests and chain
+// for the tenant's next request (parseCache), unless the entry it was
+// parsed after already holds exactly them. The chain is kept only when the
+// client's view is the parsed messages (pairing repair changes the view).
+func (s *Server) rememberParse(cr *chatRequest, cv *conversation) {
+	req, ps := cr.req, cr.parsed
+	if e := ps.from; e != nil && ps.reused == len(req.Messages) && e.snap.Len() == len(req.Messages) &&
+		e.seed == cv.memo.seed && e.seedIn.equal(&cr.seedIn) && len(e.chain.chain) == len(req.Messages)+1 && e.pairingClean == cr.pairingClean {
+		return // nothing new: the entry stays (lookup marked it used)
+	}
+	// A snapshot's messages carry their digests: the next request shares
+	// them as they are and never writes them (chat.ParseAfter). In pairing
+	// repair mode the view was a copy, so the parsed messages may still
+	// lack theirs.
+	if err := s.digests.hash(cr.tenant, req.Messages); err != nil {
+		return
+	}
+	snap := req.Snapshot()
+	if snap == nil {
+		return
+	}
+	e := &parseEntry{key: ps.key, snap: snap, seed: cv.memo.seed, seedIn: cr.seedIn.clone(), pairingClean: cr.pairingClean}
+	if sameView(cr.client, req.Messages) {
+		if k, err := cv.memo.view(req.Messages); err == nil {
+			// Without the idents: they name this request's (pooled) body.
+			e.chain = chainKnown{digests: k.digests, chain: k.chain, local: k.local}
+		}
+	}
+	s.parses.store(e, ps.from, req.Body)
 }
 
 // compactOptions selects what one run of the engine may do.
@@ -312,7 +524,7 @@ func (s *Server) prepareChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 	bypass := strings.EqualFold(r.Header.Get("X-Compactproxy-Bypass"), "true")
 	opts := compactOptions{enabled: s.cfg.Compaction.Enabled && !bypass, summarize: true, commit: true}
 	cr.client = cr.forward
-	ctx = s.withSummarizeRequest(ctx, req)
+	ctx = withSummarizeSource(ctx, req)
 	var last compaction.Output
 	run := func(ctx context.Context) {
 		out, spent := s.compact(ctx, r, cv, cr.client, req.Model, req.MaxTokens, opts)
@@ -363,6 +575,7 @@ func (s *Server) prepareChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 		s.metrics.ForwardedTokens.Observe(float64(out.Forwarded))
 	}
 	run(ctx)
+	s.rememberParse(cr, cv)
 	cr.recompact = func(ctx context.Context, info overflowInfo) bool {
 		if !opts.enabled || s.engine == nil {
 			return false

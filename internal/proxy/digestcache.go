@@ -60,6 +60,15 @@ func (c *digestCache) key(tenant string, raw []byte) digestKey {
 // hashing error (a message that is not valid JSON cannot occur after
 // chat.Parse, but a caller must not trust that).
 func (c *digestCache) hash(tenant string, msgs []chat.Message) error {
+	todo := 0
+	for i := range msgs {
+		if !msgs[i].HasDigest {
+			todo++
+		}
+	}
+	if todo == 0 {
+		return nil // all reused from the parse cache
+	}
 	keys := make([]digestKey, len(msgs))
 	// Keys are computed outside the lock, split over the cores for a large
 	// request (a megabyte of history is ~0.3 ms of hashing on one core).

@@ -49,6 +49,7 @@ type Server struct {
 	local        anchor.LocalEstimator
 	engine       *compaction.Engine
 	digests      *digestCache
+	parses       *parseCache
 	// summarizerIsUpstream: the summarizer is the chat upstream itself, so
 	// the client's own credentials may be used for it.
 	summarizerIsUpstream bool
@@ -113,6 +114,7 @@ func New(cfg config.Config, log *zap.Logger, reg *prometheus.Registry) (*Server,
 	s.calibration = anchor.NewCalibration(1024)
 	s.local = anchor.NewLocalEstimator()
 	s.digests = newDigestCache(digestCacheEntries)
+	s.parses = newParseCache(parseCacheBytes)
 	s.prepare = s.prepareChat
 	s.recoverOverflow = s.overflow
 	if cfg.Compaction.Enabled {

@@ -90,7 +90,15 @@ func (s *Server) newSummarizer() compaction.Summarizer {
 // or a model the models table names), and the client's credentials only
 // when the summarizer is the chat upstream itself and the proxy holds no
 // key of its own.
+//
+// It also adds what withSummarizeRequest derives from the client's request
+// when prepareChat left it on ctx (summarizeSource). It runs only when a
+// summarize is about to start, while the request's body is still valid:
+// the copies that summarize needs are made then, not on every request.
 func (s *Server) summarizeContext(ctx context.Context, r *http.Request, model string) context.Context {
+	if req := sourceOf(ctx); req != nil {
+		ctx = s.withSummarizeRequest(ctx, req)
+	}
 	ctx = summarizer.WithModel(ctx, model)
 	sumModel := s.cfg.Compaction.Summarizer.Model
 	if sumModel == "" {
@@ -131,6 +139,23 @@ func textTokens(fit anchor.Fit, n int) int {
 	}
 	r = min(max(r, anchor.MinRatio), anchor.MaxRatio)
 	return int(math.Ceil(float64(local) * r))
+}
+
+// summarizeSource is the context key of the client's request, from which
+// summarizeContext derives the summarize request's shape.
+type summarizeSource struct{}
+
+// withSummarizeSource leaves req on ctx for summarizeContext: cheap, since
+// most requests never summarize.
+func withSummarizeSource(ctx context.Context, req *chat.Request) context.Context {
+	return context.WithValue(ctx, summarizeSource{}, req)
+}
+
+// sourceOf is the client's request withSummarizeSource left on ctx, nil
+// when none.
+func sourceOf(ctx context.Context) *chat.Request {
+	req, _ := ctx.Value(summarizeSource{}).(*chat.Request)
+	return req
 }
 
 // withSummarizeRequest adds to ctx what a summarize call may take from the
@@ -261,7 +286,7 @@ func (s *Server) summarizeShared(ctx context.Context, r *http.Request, reqID str
 			// body buffer is pooled and reused once the handler returns.
 			sctx := s.summarizeContext(context.WithoutCancel(ctx), r, model)
 			own := *run
-			own.view = detachMessages(run.view)
+			own.view = detachMessages(run.view, sourceOf(ctx))
 			own.chain = slices.Clone(run.chain)
 			own.cv = &conversation{id: run.cv.id, key: run.cv.key, identity: run.cv.identity,
 				memo: &chainMemo{s: s, seed: run.cv.memo.seed}}
@@ -330,10 +355,21 @@ func (s *Server) summarizeFlight(ctx context.Context, reqID, name string, fl *fl
 }
 
 // detachMessages deep-copies the bytes of msgs (Raw and Content alias the
-// request body).
-func detachMessages(msgs []chat.Message) []chat.Message {
+// request body, whose buffer is pooled), except those of the leading
+// messages that req (nil: none) shares with a parse cache snapshot: their
+// bytes are the snapshot's, never reused, so an agent's step in the
+// presummarize band copies its new messages only, not its whole history.
+func detachMessages(msgs []chat.Message, req *chat.Request) []chat.Message {
 	out := make([]chat.Message, len(msgs))
+	shared := 0
+	if req != nil {
+		shared = min(req.Shared(), len(req.Messages), len(msgs))
+	}
 	for i, m := range msgs {
+		if i < shared && sameView(msgs[i:i+1], req.Messages[i:i+1]) {
+			out[i] = m
+			continue
+		}
 		m.Raw = bytes.Clone(m.Raw)
 		m.Content = bytes.Clone(m.Content)
 		m.ToolCalls = slices.Clone(m.ToolCalls)
@@ -367,7 +403,7 @@ func (s *Server) presummarize(ctx context.Context, r *http.Request, reqID string
 	if window == 0 {
 		return
 	}
-	own := detachMessages(view)
+	own := detachMessages(view, sourceOf(ctx))
 	ocv := &conversation{id: cv.id, key: cv.key, identity: cv.identity, memo: &chainMemo{s: s, seed: cv.memo.seed}}
 	chain, _, err := ocv.memo.chain(own)
 	if err != nil {

@@ -99,6 +99,15 @@ func main() {
 	note := flag.String("note", "", "free text recorded with the results (e.g. why compactproxy is absent)")
 	convs := flag.String("conversations", "same", `"same": every request is the same conversation (identical bytes to every target, the worst case for per-conversation state); "per-worker": each worker sends X-Compactproxy-Conversation: bench-wN (N agents at concurrency N; the header is ignored by the mock and passed by the bare proxy)`)
 	freePort := flag.Bool("freeport", false, "print a free 127.0.0.1 port and exit")
+	only := flag.String("scenarios", "", "comma-separated scenario names to run (empty: all): 16KB, 16KB-stream, 1MiB, and the agent scenarios cross and 1MiB-compaction (compactproxy only)")
+	printModels := flag.Bool("print-models", false, "print the models table (COMPACTPROXY_MODELS) the agent scenarios need and exit")
+	think := flag.Duration("think", 2500*time.Millisecond, "agent scenarios: an agent's think time between a response and its next request")
+	sumLatency := flag.Duration("summarizer-latency", 0, "agent scenarios: the summarizer's latency, for the report (bench/run.sh's second mock)")
+	crossAgents := flag.Int("cross-agents", 4, "cross: concurrent agents per pass")
+	crossPasses := flag.Int("cross-passes", 2, "cross: passes (each agent runs the conversation once per pass)")
+	compactConvs := flag.Int("compact-convs", 6, "1MiB-compaction: conversations")
+	compactStepsN := flag.Int("compact-steps", 10, "1MiB-compaction: re-applied requests per conversation")
+	onlyTargets := flag.String("targets", "", "comma-separated target names to run (empty: all); for profiling one process")
 	flag.Parse()
 
 	if *freePort {
@@ -108,6 +117,10 @@ func main() {
 		}
 		fmt.Println(l.Addr().(*net.TCPAddr).Port)
 		l.Close()
+		return
+	}
+	if *printModels {
+		fmt.Println(modelsJSON())
 		return
 	}
 	if *convs != "same" && *convs != "per-worker" {
@@ -134,6 +147,15 @@ func main() {
 		{Name: "16KB-stream", Bytes: 16 << 10, Stream: true, Count: map[int]int{1: 100, 32: 640}},
 		{Name: "1MiB", Bytes: 1 << 20, Count: map[int]int{1: 40, 32: 128}},
 	}
+	runCrossScenario, runCompactScenario := true, true
+	if *only != "" {
+		names := strings.Split(*only, ",")
+		scenarios = slices.DeleteFunc(scenarios, func(s *scenario) bool { return !slices.Contains(names, s.Name) })
+		runCrossScenario, runCompactScenario = slices.Contains(names, "cross"), slices.Contains(names, "1MiB-compaction")
+		if len(scenarios) == 0 && !runCrossScenario && !runCompactScenario {
+			fatalf("-scenarios: none of %q", *only)
+		}
+	}
 	for _, s := range scenarios {
 		s.body = chattest.AgentBody(s.Bytes, s.Stream)
 	}
@@ -146,6 +168,10 @@ func main() {
 		targets = append(targets, &target{Name: "compactproxy", Base: *compact, PID: *compactPID})
 	} else {
 		targets = append(targets, &target{Name: "compactproxy", failed: true, failNote: "not started: " + *note})
+	}
+	if *onlyTargets != "" {
+		names := strings.Split(*onlyTargets, ",")
+		targets = slices.DeleteFunc(targets, func(t *target) bool { return !slices.Contains(names, t.Name) })
 	}
 	maxConc := slices.Max(cs)
 	for _, t := range targets {
@@ -220,6 +246,20 @@ func main() {
 	}
 
 	rep := buildReport(scenarios, targets, cs, cells, *clkTck, done, strings.TrimPrefix(*note, "; "))
+	if runCrossScenario || runCompactScenario {
+		var direct, cp *target
+		for _, t := range targets {
+			switch t.Name {
+			case "direct":
+				direct = t
+			case "compactproxy":
+				cp = t
+			}
+		}
+		o := agentOpts{think: *think, agents: *crossAgents, passes: *crossPasses, convs: *compactConvs, steps: *compactStepsN,
+			sumLatency: *sumLatency, clkTck: *clkTck, timeout: *reqTimeout}
+		rep.addAgent(direct, cp, o, runCrossScenario, runCompactScenario)
+	}
 	text := rep.text()
 	fmt.Print(text)
 	if *out != "" {

@@ -6,6 +6,8 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -57,6 +59,7 @@ type report struct {
 	Bodies    map[string]int    `json:"body_bytes"`
 	Failed    map[string]string `json:"failed_targets,omitempty"`
 	Cells     []cellStat        `json:"cells"`
+	Agent     *agentReport      `json:"agent,omitempty"`
 	Checks    []check           `json:"targets"`
 }
 
@@ -128,6 +131,9 @@ func buildReport(scenarios []*scenario, targets []*target, cs []int, cells map[k
 		return stat[key{"compactproxy", sc, c}], stat[key{"bare", sc, c}]
 	}
 	addCheck := func(name, sc string, c int, limit float64, atMost bool, metric func(*cellStat) float64, unit string) {
+		if !slices.ContainsFunc(scenarios, func(s *scenario) bool { return s.Name == sc }) {
+			return // not run (-scenarios)
+		}
 		ch := check{Name: name, Limit: limit, AtMost: atMost}
 		x, b := cp(sc, c)
 		switch {
@@ -220,7 +226,10 @@ func (r *report) text() string {
 		}
 		b.WriteByte('\n')
 	}
-	fmt.Fprintf(&b, "\nissue 2 targets (compactproxy vs the bare reverse proxy, same run):\n")
+	if r.Agent != nil {
+		r.Agent.text(&b)
+	}
+	fmt.Fprintf(&b, "\ntargets (issue 2: compactproxy vs the bare reverse proxy; issue 11 cross: the crossing request vs the steps below the trigger; same run):\n")
 	for _, c := range r.Checks {
 		if c.Status == "FAIL" {
 			fmt.Fprintf(&b, "  %-4s %-46s %s\n", c.Status, c.Name, c.Detail)
@@ -252,4 +261,38 @@ func (r *report) write(dir, text string) error {
 	}
 	fmt.Printf("\nresults: %s\n", filepath.Join(dir, "bench-"+stamp+".{json,txt}"))
 	return nil
+}
+
+// addAgent runs the agent scenarios against compactproxy (when it runs) and
+// adds their results and issue 11's crossing check to the report.
+func (r *report) addAgent(direct, cp *target, o agentOpts, cross, compact bool) {
+	const crossCheck = "cross: crossing added p50 <= 1.5x below trigger"
+	if cp == nil || cp.failed || direct == nil || direct.failed {
+		if cross {
+			r.Checks = append(r.Checks, check{Name: crossCheck, Limit: 1.5, AtMost: true, Status: "FAIL", Detail: "compactproxy or the mock failed"})
+		}
+		return
+	}
+	nonce := strconv.FormatInt(time.Now().UnixNano(), 36)
+	r.Agent = &agentReport{SummarizerLatencyMs: ms(o.sumLatency), ThinkMs: ms(o.think)}
+	if cross {
+		fmt.Printf("loadgen: cross: %d passes of %d agents, think %v\n", o.passes, o.agents, o.think)
+		c := runCross(direct, cp, o, nonce)
+		r.Agent.Cross = c
+		ch := check{Name: crossCheck, Limit: 1.5, AtMost: true, Compact: c.CrossAdded50, Bare: c.BelowAdded50}
+		switch {
+		case c.Crossings == 0 || c.BelowN == 0:
+			ch.Status, ch.Detail = "FAIL", fmt.Sprintf("not measured: %d crossings, %d samples below, %d errors", c.Crossings, c.BelowN, c.Errors)
+		default:
+			// The same 10 µs floor as the other added-latency checks.
+			ch.Ratio = c.CrossAdded50 / max(c.BelowAdded50, 0.01)
+			ch.Status = map[bool]string{true: "PASS", false: "MISS"}[ch.Ratio <= ch.Limit]
+			ch.Detail = fmt.Sprintf("crossing %+.2f ms / below %+.2f ms; crossings %v", c.CrossAdded50, c.BelowAdded50, c.Actions)
+		}
+		r.Checks = append(r.Checks, ch)
+	}
+	if compact {
+		fmt.Printf("loadgen: 1MiB-compaction: %d conversations, %d re-applied steps each\n", o.convs, o.steps)
+		r.Agent.Compact = runCompaction(direct, cp, o, nonce)
+	}
 }
