@@ -137,6 +137,9 @@ type figures struct {
 	cacheCeiling         float64
 	cacheEfficiency      float64
 	sumCacheReuse        float64
+	// Σ timings.prompt_n: the prompt tokens llama-server evaluated (not
+	// served from its cache), forwarded requests and summarize calls.
+	promptNFwd, promptNSum int
 	forwards, summarizes int
 	overflowRetries      int
 	toolsTokens          int // what the tools array adds to a prompt (exact)
@@ -279,6 +282,7 @@ func computeFigures(t *testing.T, cfg llamaConfig, ls *llamaServer, cs []clientS
 				r.upMS += c.end.Sub(c.start).Milliseconds()
 			}
 			rep := parseReported(c.resp.Bytes())
+			f.promptNFwd += max(rep.PromptN, 0)
 			if st.n >= 2 && rep.PromptTokens > 0 {
 				f.sumPrompt += rep.PromptTokens
 				cached := rep.CachedTokens
@@ -366,6 +370,7 @@ func computeFigures(t *testing.T, cfg llamaConfig, ls *llamaServer, cs []clientS
 			f.sum400++
 		}
 		f.sumMaxMeasured = max(f.sumMaxMeasured, s.measured)
+		f.promptNSum += max(s.reported.PromptN, 0)
 		if s.reported.PromptTokens > 0 {
 			sumPromptS += s.reported.PromptTokens
 			sumCachedS += max(s.reported.CachedTokens, 0)
@@ -479,6 +484,7 @@ func (f *figures) render() string {
 	row("  ceiling Σ(prompt − appended)/Σprompt", fmt.Sprintf("%.3f (appended %d)", f.cacheCeiling, f.sumAppended), "(shown)", true)
 	row("  efficiency Σcached/Σ(prompt − appended)", fmt.Sprintf("%.3f", f.cacheEfficiency), "(shown)", true)
 	row("summarize calls' own cache reuse", fmt.Sprintf("%.3f", f.sumCacheReuse), "(shown)", true)
+	row("evaluated prompt Σtimings.prompt_n fwd+sum", fmt.Sprintf("%d (%d + %d)", f.promptNFwd+f.promptNSum, f.promptNFwd, f.promptNSum), "(shown)", true)
 	row("forwarded views failing strict pairing", ints(f.pairingBad), "none", len(f.pairingBad) == 0)
 	row("steps whose final message moved", ints(f.finalMoved), "none", len(f.finalMoved) == 0)
 	var ms []string
