@@ -133,19 +133,19 @@ type figures struct {
 	// llama-server). ceiling = Σ(P_i − N_i) ÷ ΣP_i is the best cache share
 	// any proxy gets forwarding these prompts; efficiency = Σcached ÷
 	// Σ(P_i − N_i) is the share of the rest the cache served.
-	sumAppended          int
-	cacheCeiling         float64
-	cacheEfficiency      float64
-	sumCacheReuse        float64
+	sumAppended     int
+	cacheCeiling    float64
+	cacheEfficiency float64
+	sumCacheReuse   float64
 	// Σ timings.prompt_n: the prompt tokens llama-server evaluated (not
 	// served from its cache), forwarded requests and summarize calls.
 	promptNFwd, promptNSum int
-	forwards, summarizes int
-	overflowRetries      int
-	toolsTokens          int // what the tools array adds to a prompt (exact)
-	baseTokens           int // system prompt + first task, no tools
-	resultBytes          int
-	resultTokens         int
+	forwards, summarizes   int
+	overflowRetries        int
+	toolsTokens            int // what the tools array adds to a prompt (exact)
+	baseTokens             int // system prompt + first task, no tools
+	resultBytes            int
+	resultTokens           int
 }
 
 // fwdMessage is the part of a forwarded message the checks read.
