@@ -94,28 +94,33 @@ func (c *parseCache) key(tenant, header string, body []byte) parseKey {
 // unchecked: chat.ParseAfter compares the bytes anyway (a megabyte is
 // compared once, not twice).
 func (c *parseCache) lookup(k parseKey, body []byte) *parseEntry {
+	type cand struct {
+		e    *parseEntry
+		used uint64 // read under the lock: lookups of other requests move it
+	}
+	var cands [parseBucketEntries]cand
 	c.mu.Lock()
-	var cands [parseBucketEntries]*parseEntry
-	n := copy(cands[:], c.buckets[k])
+	bucket := c.buckets[k]
+	for i, e := range bucket {
+		cands[i] = cand{e, e.used}
+	}
+	n := len(bucket)
 	c.mu.Unlock()
 	var best *parseEntry
-	if n == 1 {
-		best = cands[0]
-	}
-	// Compared outside the lock (snapshots are immutable), most recently
-	// used first; one the body extends whole is taken at once.
-	if n > 1 {
-		slices.SortFunc(cands[:n], func(a, b *parseEntry) int { return cmp.Compare(b.used, a.used) })
-	}
-	bestN := 0
-	for _, e := range cands[:n] {
-		if n == 1 {
-			break
-		}
-		if shared := e.snap.Shared(body); shared > bestN {
-			best, bestN = e, shared
-			if shared == e.snap.Len() {
-				break
+	switch {
+	case n == 1:
+		best = cands[0].e
+	case n > 1:
+		// Compared outside the lock (snapshots are immutable), most
+		// recently used first; one the body extends whole is taken at once.
+		slices.SortFunc(cands[:n], func(a, b cand) int { return cmp.Compare(b.used, a.used) })
+		bestN := 0
+		for _, c := range cands[:n] {
+			if shared := c.e.snap.Shared(body); shared > bestN {
+				best, bestN = c.e, shared
+				if shared == c.e.snap.Len() {
+					break
+				}
 			}
 		}
 	}

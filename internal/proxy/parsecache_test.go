@@ -6,6 +6,7 @@ import (
 	"net/http/httptest"
 	"reflect"
 	"strconv"
+	"sync"
 	"testing"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
@@ -397,4 +398,37 @@ func TestParseCacheSeed(t *testing.T) {
 			}
 		})
 	}
+}
+
+// Lookups of one key from concurrent requests (a bucket with several
+// entries is sorted by last use) do not race with the use they record
+// (run with -race).
+func TestParseCacheConcurrentLookups(t *testing.T) {
+	c := newParseCache(8 << 20)
+	k := c.key("t", "", []byte("same head"))
+	var bodies [][]byte
+	for i := range parseBucketEntries {
+		b := []byte(`{"model":"m","messages":[{"role":"user","content":"` + strconv.Itoa(i) + `"}]}`)
+		r, err := chat.Parse(b)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.store(&parseEntry{key: k, snap: r.Snapshot()}, nil, r.Body)
+		bodies = append(bodies, r.Body)
+	}
+	var wg sync.WaitGroup
+	for g := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range 200 {
+				b := bodies[(g+i)%len(bodies)]
+				if e := c.lookup(k, b); e == nil || e.snap.Shared(b) != 1 {
+					t.Error("a stored body was not found")
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
 }
