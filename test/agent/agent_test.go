@@ -347,7 +347,7 @@ func testAgent(t *testing.T, root, bin string, maxTokens int, maxField string) {
 	proxy := startProxy(t, bin, mock.baseURL(),
 		"COMPACTPROXY_UPSTREAM_CONTEXT_WINDOW="+strconv.Itoa(window),
 	)
-	rec := newRecorder(t, proxy.url)
+	rec := newRecorder(t, proxy.URL)
 
 	run := runAgent(t, root, project, rec.srv.URL+"/v1", maxTokens, maxField)
 	turns, recOthers := rec.snapshot()
@@ -368,7 +368,7 @@ func testAgent(t *testing.T, root, bin string, maxTokens int, maxField string) {
 	dumpOnFailure := func() {
 		if t.Failed() {
 			t.Logf("agent stdout:\n%s\nagent stderr:\n%s", tail(run.stdout, 4000), tail(run.stderr, 4000))
-			t.Logf("compactproxy log (tail):\n%s", proxy.logTail())
+			t.Logf("compactproxy log (tail):\n%s", proxy.LogTail())
 		}
 	}
 	defer dumpOnFailure()
@@ -473,13 +473,13 @@ func testAgent(t *testing.T, root, bin string, maxTokens int, maxField string) {
 			actions[tr.Header.Get("X-Compactproxy-Compaction")]++
 		}
 		t.Logf("X-Compactproxy-Compaction over %d agent requests: %v", len(turns), actions)
-		t.Logf("metrics: %s", strings.Join(proxy.metricLines(t,
+		t.Logf("metrics: %s", strings.Join(metricLines(t, proxy,
 			"compactproxy_compactions_total", "compactproxy_summarize_total", "compactproxy_compaction_invariant_failures_total",
 			"compactproxy_compaction_impossible_total", "compactproxy_upstream_retries_total"), "; "))
 		if actions["none"]+actions[""] == len(turns) {
 			t.Errorf("no agent request was compacted (the conversation grew to ~%d tokens against a %d window)", maxPrompt(ups), window)
 		}
-		if got := proxy.metricSum(t, "compactproxy_compactions_total"); got <= 0 {
+		if got := metricSum(t, proxy, "compactproxy_compactions_total"); got <= 0 {
 			t.Errorf("compactproxy_compactions_total = %v, want > 0", got)
 		}
 		// Issue 8's goal: a summary is made and then reused; no drop while
@@ -538,7 +538,7 @@ func testAgent(t *testing.T, root, bin string, maxTokens int, maxField string) {
 		}
 	})
 
-	if err := proxy.stop(10 * time.Second); err != nil {
+	if err := proxy.Stop(10 * time.Second); err != nil {
 		t.Errorf("compactproxy after SIGTERM: %v", err)
 	}
 }

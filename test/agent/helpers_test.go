@@ -7,7 +7,6 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"fmt"
 	"github.com/compactproxy/compactproxy/test/internal/testproc"
 	"io"
 	"net/http"
@@ -16,8 +15,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
-	"syscall"
 	"testing"
 	"time"
 )
@@ -55,134 +52,26 @@ func ensureAgentDeps(t *testing.T, root string) {
 	}
 }
 
-// lockedBuffer collects a process's output; exec writes to it from a
-// goroutine while the test may read it.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
+// lockedBuffer collects a process's output (the agent's).
+type lockedBuffer = testproc.Buffer
 
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
+func tail(s string, n int) string { return testproc.Tail(s, n) }
 
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
+// proxyProc is a running compactproxy binary (testproc.StartProxy).
+type proxyProc = testproc.Proxy
 
-func tail(s string, n int) string {
-	if len(s) > n {
-		return "...\n" + s[len(s)-n:]
-	}
-	return s
-}
-
-// proxyProc is a running compactproxy binary.
-type proxyProc struct {
-	url  string
-	cmd  *exec.Cmd
-	done chan error // receives Wait's result once
-	log  *lockedBuffer
-
-	stopOnce sync.Once
-	stopErr  error
-}
-
-func (p *proxyProc) logTail() string { return tail(p.log.String(), 8000) }
-
-// stop sends SIGTERM and waits up to d for a clean exit (status 0).
-func (p *proxyProc) stop(d time.Duration) error {
-	p.stopOnce.Do(func() {
-		if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
-			p.stopErr = fmt.Errorf("signal: %w", err)
-		}
-		select {
-		case err := <-p.done:
-			if err != nil {
-				p.stopErr = fmt.Errorf("exit: %w", err)
-			}
-		case <-time.After(d):
-			p.cmd.Process.Kill()
-			<-p.done
-			p.stopErr = fmt.Errorf("did not exit within %v of SIGTERM", d)
-		}
-	})
-	return p.stopErr
-}
-
-// startProxy runs the binary configured by environment alone, in an empty
-// working directory (so no ./configs/compactproxy.yaml is picked up), and
-// waits for /healthz. extra env entries (KEY=value) come last and win.
+// startProxy runs the binary configured by environment alone; extra env
+// entries (KEY=value) win.
 func startProxy(t *testing.T, bin, upstream string, extra ...string) *proxyProc {
 	t.Helper()
-	addr := freeAddr(t)
-	env := []string{}
-	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, "COMPACTPROXY_") {
-			env = append(env, kv)
-		}
-	}
-	env = append(env,
-		"COMPACTPROXY_LISTEN="+addr,
-		"COMPACTPROXY_UPSTREAM_URL="+upstream,
-		"COMPACTPROXY_SHUTDOWN_TIMEOUT=5s",
-		"COMPACTPROXY_LOG_LEVEL=info",
-	)
-	env = append(env, extra...)
-	p := &proxyProc{url: "http://" + addr, log: &lockedBuffer{}, done: make(chan error, 1)}
-	p.cmd = exec.Command(bin)
-	p.cmd.Dir = t.TempDir()
-	p.cmd.Env = env
-	p.cmd.Stdout, p.cmd.Stderr = p.log, p.log
-	if err := p.cmd.Start(); err != nil {
-		t.Fatalf("start %s: %v", bin, err)
-	}
-	go func() { p.done <- p.cmd.Wait() }()
-	t.Cleanup(func() {
-		if err := p.stop(10 * time.Second); err != nil {
-			t.Logf("compactproxy stop: %v", err)
-		}
-	})
-
-	deadline := time.Now().Add(15 * time.Second)
-	hc := &http.Client{Timeout: time.Second}
-	for {
-		select {
-		case err := <-p.done:
-			p.done <- err // let stop see it
-			t.Fatalf("compactproxy exited before serving: %v\n%s", err, p.logTail())
-		default:
-		}
-		resp, err := hc.Get(p.url + "/healthz")
-		if err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return p
-			}
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("compactproxy did not answer /healthz 200 within 15s (last: %v)\n%s", describe(resp, err), p.logTail())
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-}
-
-func describe(resp *http.Response, err error) string {
-	if err != nil {
-		return err.Error()
-	}
-	return resp.Status
+	return testproc.StartProxy(t, bin, upstream, extra...)
 }
 
 // metrics reads the proxy's /metrics and returns the sum of every sample
 // of the named metric (all label sets), or -1 when it is absent.
-func (p *proxyProc) metricSum(t *testing.T, name string) float64 {
+func metricSum(t *testing.T, p *proxyProc, name string) float64 {
 	t.Helper()
-	resp, err := http.Get(p.url + "/metrics")
+	resp, err := http.Get(p.URL + "/metrics")
 	if err != nil {
 		t.Fatalf("GET /metrics: %v", err)
 	}
@@ -206,9 +95,9 @@ func (p *proxyProc) metricSum(t *testing.T, name string) float64 {
 }
 
 // metricLines returns the /metrics lines of the named metric, for logs.
-func (p *proxyProc) metricLines(t *testing.T, names ...string) []string {
+func metricLines(t *testing.T, p *proxyProc, names ...string) []string {
 	t.Helper()
-	resp, err := http.Get(p.url + "/metrics")
+	resp, err := http.Get(p.URL + "/metrics")
 	if err != nil {
 		t.Fatalf("GET /metrics: %v", err)
 	}

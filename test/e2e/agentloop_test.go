@@ -86,7 +86,7 @@ func TestAgentLoopCompacts(t *testing.T) {
 	)
 
 	cfg := openai.DefaultConfig("sk-loop-key")
-	cfg.BaseURL = p.url + "/v1"
+	cfg.BaseURL = p.URL + "/v1"
 	client := openai.NewClientWithConfig(cfg)
 	msgs := []openai.ChatCompletionMessage{
 		{Role: "system", Content: "You are a code reviewer. Read files with the cat tool."},
@@ -105,7 +105,7 @@ func TestAgentLoopCompacts(t *testing.T) {
 			Model: "loop", Messages: msgs, Tools: tools,
 		})
 		if err != nil {
-			t.Fatalf("step %d: %v\n%s", i, err, p.logTail())
+			t.Fatalf("step %d: %v\n%s", i, err, p.LogTail())
 		}
 		h := resp.Header()
 		ctxTok, _ := strconv.Atoi(h.Get("X-Compactproxy-Context-Tokens"))
@@ -191,7 +191,7 @@ func TestAgentLoopCompacts(t *testing.T) {
 	}
 
 	// Metrics agree with the headers.
-	resp, err := http.Get(p.url + "/metrics")
+	resp, err := http.Get(p.URL + "/metrics")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -11,16 +11,12 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"github.com/compactproxy/compactproxy/test/internal/testproc"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"reflect"
 	"strings"
-	"sync"
-	"syscall"
 	"testing"
 	"time"
 )
@@ -146,7 +142,7 @@ func TestOpenAISDK(t *testing.T) {
 	mock := newMockUpstream(t)
 	bin := buildBinary(t, root)
 	proxy := startProxy(t, bin, mock.baseURL())
-	res := runClient(t, root, proxy.url+"/v1")
+	res := runClient(t, root, proxy.URL+"/v1")
 
 	reqs := mock.chats()
 	if len(reqs) != len(directReqs) {
@@ -248,12 +244,12 @@ func TestOpenAISDK(t *testing.T) {
 	})
 
 	t.Run("sigterm_exits_zero", func(t *testing.T) {
-		if err := proxy.stop(10 * time.Second); err != nil {
+		if err := proxy.Stop(10 * time.Second); err != nil {
 			t.Errorf("after SIGTERM: %v", err)
 		}
 	})
 	if t.Failed() {
-		t.Logf("proxy log (tail):\n%s", proxy.logTail())
+		t.Logf("proxy log (tail):\n%s", proxy.LogTail())
 	}
 }
 
@@ -262,126 +258,13 @@ func mustJSON(v any) string {
 	return string(b)
 }
 
-// proxyProc is a running compactproxy binary.
-type proxyProc struct {
-	url  string
-	cmd  *exec.Cmd
-	done chan error // receives Wait's result once
-	log  *lockedBuffer
+// proxyProc is a running compactproxy binary (testproc.StartProxy).
+type proxyProc = testproc.Proxy
 
-	stopOnce sync.Once
-	stopErr  error
-}
-
-// lockedBuffer collects the process's output; exec writes to it from a
-// goroutine while the test may read it.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
-func (p *proxyProc) logTail() string {
-	s := p.log.String()
-	if len(s) > 8000 {
-		s = "...\n" + s[len(s)-8000:]
-	}
-	return s
-}
-
-// stop sends SIGTERM and waits up to d for a clean exit (status 0).
-func (p *proxyProc) stop(d time.Duration) error {
-	p.stopOnce.Do(func() {
-		if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
-			p.stopErr = fmt.Errorf("signal: %w", err)
-		}
-		select {
-		case err := <-p.done:
-			if err != nil {
-				p.stopErr = fmt.Errorf("exit: %w", err)
-			}
-		case <-time.After(d):
-			p.cmd.Process.Kill()
-			<-p.done
-			p.stopErr = fmt.Errorf("did not exit within %v of SIGTERM", d)
-		}
-	})
-	return p.stopErr
-}
-
-// startProxy runs the binary configured by environment alone, in an empty
-// working directory (so no ./configs/compactproxy.yaml is picked up), and
-// waits for /healthz.
-// extra env entries (KEY=value) come last and win.
+// startProxy runs the binary configured by environment alone, with a
+// 131,072-token window unless extra says otherwise; extra env entries
+// (KEY=value) win.
 func startProxy(t *testing.T, bin, upstream string, extra ...string) *proxyProc {
 	t.Helper()
-	addr := freeAddr(t)
-	env := []string{}
-	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, "COMPACTPROXY_") {
-			env = append(env, kv)
-		}
-	}
-	env = append(env,
-		"COMPACTPROXY_LISTEN="+addr,
-		"COMPACTPROXY_UPSTREAM_URL="+upstream,
-		"COMPACTPROXY_UPSTREAM_CONTEXT_WINDOW=131072",
-		"COMPACTPROXY_SHUTDOWN_TIMEOUT=5s",
-		"COMPACTPROXY_LOG_LEVEL=info",
-	)
-	env = append(env, extra...)
-	p := &proxyProc{url: "http://" + addr, log: &lockedBuffer{}, done: make(chan error, 1)}
-	p.cmd = exec.Command(bin)
-	p.cmd.Dir = t.TempDir()
-	p.cmd.Env = env
-	p.cmd.Stdout, p.cmd.Stderr = p.log, p.log
-	if err := p.cmd.Start(); err != nil {
-		t.Fatalf("start %s: %v", bin, err)
-	}
-	go func() { p.done <- p.cmd.Wait() }()
-	t.Cleanup(func() {
-		if err := p.stop(10 * time.Second); err != nil {
-			t.Logf("compactproxy stop: %v", err)
-		}
-	})
-
-	deadline := time.Now().Add(15 * time.Second)
-	hc := &http.Client{Timeout: time.Second}
-	for {
-		select {
-		case err := <-p.done:
-			p.done <- err // let stop see it
-			t.Fatalf("compactproxy exited before serving: %v\n%s", err, p.logTail())
-		default:
-		}
-		resp, err := hc.Get(p.url + "/healthz")
-		if err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return p
-			}
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("compactproxy did not answer /healthz 200 within 15s (last: %v)\n%s", describe(resp, err), p.logTail())
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-}
-
-func describe(resp *http.Response, err error) string {
-	if err != nil {
-		return err.Error()
-	}
-	return resp.Status
+	return testproc.StartProxy(t, bin, upstream, append([]string{"COMPACTPROXY_UPSTREAM_CONTEXT_WINDOW=131072"}, extra...)...)
 }

@@ -199,9 +199,9 @@ func TestReplicasShareRedis(t *testing.T) {
 	a := newLoopAgent("")
 	var steps []stepResult
 	for i := 1; i <= 24; i++ {
-		r := send(t, replicas[i%2].url, a)
+		r := send(t, replicas[i%2].URL, a)
 		if r.status != 200 {
-			t.Fatalf("step %d: status %d %s\n%s", i, r.status, r.answer, replicas[i%2].logTail())
+			t.Fatalf("step %d: status %d %s\n%s", i, r.status, r.answer, replicas[i%2].LogTail())
 		}
 		r.forwardedPrefix = forwarded(t, up.last())
 		steps = append(steps, r)
@@ -255,7 +255,7 @@ func TestReplicasShareRedis(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			results[i] = send(t, replicas[i%2].url, b)
+			results[i] = send(t, replicas[i%2].URL, b)
 		}()
 	}
 	wg.Wait()
@@ -292,7 +292,7 @@ func TestReplicasShareRedis(t *testing.T) {
 	// the upstream's own time + 1 s; once it is back, compaction resumes.
 	rd.Stop()
 	for i := 25; i <= 30; i++ {
-		r := send(t, replicas[i%2].url, a)
+		r := send(t, replicas[i%2].URL, a)
 		if r.status != 200 {
 			t.Fatalf("Redis down, step %d: status %d", i, r.status)
 		}
@@ -306,7 +306,7 @@ func TestReplicasShareRedis(t *testing.T) {
 	time.Sleep(1200 * time.Millisecond) // past the fail-fast pause
 	resumed := false
 	for i := 31; i <= 36 && !resumed; i++ {
-		r := send(t, replicas[i%2].url, a)
+		r := send(t, replicas[i%2].URL, a)
 		if r.status != 200 {
 			t.Fatalf("after restart, step %d: status %d", i, r.status)
 		}
@@ -314,13 +314,13 @@ func TestReplicasShareRedis(t *testing.T) {
 		a.grow(t, r.answer, i)
 	}
 	if !resumed {
-		t.Fatalf("compaction did not resume after Redis came back\n%s", replicas[0].logTail())
+		t.Fatalf("compaction did not resume after Redis came back\n%s", replicas[0].LogTail())
 	}
 	for _, p := range replicas {
-		if n := strings.Count(p.log.String(), "state store failing"); n > 1 {
+		if n := strings.Count(p.Log(), "state store failing"); n > 1 {
 			t.Errorf("the outage was logged %d times by one replica, want once", n)
 		}
-		if strings.Contains(p.log.String(), "sk-replica-key") {
+		if strings.Contains(p.Log(), "sk-replica-key") {
 			t.Error("a log carries the client's key")
 		}
 	}
@@ -347,7 +347,7 @@ func TestBoltSurvivesRestart(t *testing.T) {
 	seenSummary := false
 	i := 1
 	for ; i <= 30; i++ {
-		last = send(t, p.url, a)
+		last = send(t, p.URL, a)
 		if last.status != 200 {
 			t.Fatalf("step %d: %d", i, last.status)
 		}
@@ -363,12 +363,12 @@ func TestBoltSurvivesRestart(t *testing.T) {
 	if !seenSummary {
 		t.Fatal("no summary in 30 steps")
 	}
-	if err := p.stop(10 * time.Second); err != nil {
-		t.Fatalf("SIGTERM: %v\n%s", err, p.logTail())
+	if err := p.Stop(10 * time.Second); err != nil {
+		t.Fatalf("SIGTERM: %v\n%s", err, p.LogTail())
 	}
 	calls := sum.calls.Load()
 	p2 := startProxy(t, bin, upSrv.URL+"/v1", env...)
-	r := send(t, p2.url, a)
+	r := send(t, p2.URL, a)
 	if r.status != 200 {
 		t.Fatalf("after restart: %d", r.status)
 	}
