@@ -913,9 +913,6 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 			final--
 		}
 		for c := cut + 1; c <= final && room < cfg.SummaryMinTokens; c++ {
-			if c <= headStart {
-				continue
-			}
 			if isToolRole(r.msgs[c].Role) {
 				continue
 			}
