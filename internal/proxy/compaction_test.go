@@ -456,3 +456,53 @@ func TestSummarizeErrorNotLogged(t *testing.T) {
 		t.Error("no compaction log line with summarize_error=\"status 400\"")
 	}
 }
+
+// A summarize call that continues the client's request (the summarizer is
+// the chat upstream) keeps the client's model, tools and sampling fields
+// but none of the output options that would shape the summary: llama-server
+// reads n_predict before max_tokens, so a client's n_predict: 16 for its
+// own answers would cut every summary to 16 tokens.
+func TestSummarizeRequestDropsClientOutputOptions(t *testing.T) {
+	up := countingUpstream(t)
+	cfg := compactionConfig(up.URL, up.URL)
+	cfg.Compaction.Summarizer.URL = ""
+	cfg.Upstream.ContextWindow = 6000
+	p := newTestProxy(t, cfg)
+	a := newAgent()
+	for a.step < 24 {
+		a.toolStep(800)
+	}
+	extra := `,"tools":[{"type":"function","function":{"name":"run","parameters":{"type":"object"}}}],"temperature":0.2,"n_predict":16,"ignore_eos":true,"grammar":"root ::= \"x\"","json_schema":{"type":"object"},"guided_regex":"x+","min_tokens":9,"max_tokens":300}`
+	body := strings.TrimSuffix(a.body(), "}") + extra
+	resp := p.chatOK(t, body)
+	if got := resp.Header.Get("X-Compactproxy-Compaction"); got != "summarized" {
+		t.Fatalf("compaction %q, want summarized", got)
+	}
+	var sum map[string]json.RawMessage
+	for _, r := range up.requests() {
+		var b map[string]json.RawMessage
+		if err := json.Unmarshal(r.Body, &b); err != nil {
+			t.Fatal(err)
+		}
+		if string(b["tool_choice"]) == `"none"` {
+			sum = b
+		}
+	}
+	if sum == nil {
+		for _, r := range up.requests() {
+			t.Logf("%s %.300s", r.Path, r.Body)
+		}
+		t.Fatalf("no summarize request reached the upstream (%d requests)", len(up.requests()))
+	}
+	for _, k := range []string{"n_predict", "ignore_eos", "grammar", "json_schema", "guided_regex", "min_tokens"} {
+		if v, ok := sum[k]; ok {
+			t.Errorf("summarize request carries the client's %s: %s", k, v)
+		}
+	}
+	if string(sum["temperature"]) != "0.2" || len(sum["tools"]) == 0 || string(sum["model"]) != `"m"` {
+		t.Errorf("summarize request lost the client's fields: temperature %s, model %s, tools %d bytes", sum["temperature"], sum["model"], len(sum["tools"]))
+	}
+	if mt := string(sum["max_tokens"]); mt == "" || mt == "300" {
+		t.Errorf("summarize max_tokens = %q, want the summary's own limit", mt)
+	}
+}

@@ -164,7 +164,8 @@ func sourceOf(ctx context.Context) *chat.Request {
 // request (same model, tools and other top-level fields as the client sent
 // them, so the forwarded prefix and the upstream's prompt cache are
 // shared), with tool_choice "none", no streaming, no output options that
-// would shape the summary, and the summary's own token limit. It also
+// would shape the summary (OpenAI's, and llama-server's and vLLM's own
+// length and format fields), and the summary's own token limit. It also
 // counts every summarize answer's reported usage.
 func (s *Server) withSummarizeRequest(ctx context.Context, req *chat.Request) context.Context {
 	ctx = summarizer.WithUsageHook(ctx, func(u anchor.Usage) {
@@ -200,7 +201,15 @@ func (s *Server) withSummarizeRequest(ctx context.Context, req *chat.Request) co
 			{Key: maxKey, Value: limit},
 			{Key: otherKey}, {Key: "stream_options"}, {Key: "n"}, {Key: "response_format"},
 			{Key: "stop"}, {Key: "logprobs"}, {Key: "top_logprobs"}, {Key: "prediction"},
-			{Key: "parallel_tool_calls"}, {Key: "tool_choice"},
+			{Key: "parallel_tool_calls"},
+			// Servers' own length and format options win over max_tokens
+			// (llama-server reads n_predict first): a client's
+			// n_predict: 16 for its answers would cut the summary to 16
+			// tokens, a grammar would force its format on it.
+			{Key: "n_predict"}, {Key: "ignore_eos"}, {Key: "min_tokens"},
+			{Key: "grammar"}, {Key: "json_schema"},
+			{Key: "guided_json"}, {Key: "guided_regex"}, {Key: "guided_choice"}, {Key: "guided_grammar"},
+			{Key: "tool_choice"},
 		}
 		if hasTools {
 			set[len(set)-1].Value = []byte(`"none"`)
