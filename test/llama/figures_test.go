@@ -55,6 +55,7 @@ type stepFigures struct {
 	rep          reported // of the last forwarded attempt
 	class        string   // anchored, fresh, local, "" (no figure)
 	errPct       float64  // (forwarded − prompt_tokens) ÷ prompt_tokens × 100, signed
+	summary      string   // the forwarded summary message's text, "" = none
 	latestOK     bool
 	firstOK      bool // first user message present
 	finalOK      bool // the client's last message is the forwarded last message
@@ -109,8 +110,9 @@ type figures struct {
 
 	non200, badStreams    int
 	actions               map[string]int
-	firstSummarized       int     // step, 0 = none
-	firstReusedAfter      int     // step of the first reused after firstSummarized, 0 = none
+	firstSummarized       int     // first step forwarding a summary, 0 = none
+	firstReusedAfter      int     // first later step forwarding a summary an earlier step forwarded, 0 = none
+	summariesApplied      int     // distinct summaries forwarded
 	drops                 int     // steps answered dropped
 	dropMetric            float64 // compactions_total{action="dropped"}: also drops under a summary (answered reused)
 	sumSuccess, sumFail   float64 // metrics
@@ -203,6 +205,17 @@ func pairingOf(msgs []fwdMessage) []pairing.Message {
 	return out
 }
 
+// summaryText is the text of the user message carrying compactproxy's
+// summary (internal/compaction's label opens it), "" when there is none.
+func summaryText(msgs []fwdMessage) string {
+	for _, m := range msgs {
+		if m.Role == "user" && strings.HasPrefix(m.text(), "[Summary of the earlier conversation (compactproxy)") {
+			return m.text()
+		}
+	}
+	return ""
+}
+
 func hasUser(msgs []fwdMessage, text string) bool {
 	for _, m := range msgs {
 		if m.Role == "user" && m.text() == text {
@@ -231,6 +244,7 @@ func computeFigures(t *testing.T, cfg llamaConfig, ls *llamaServer, cs []clientS
 		return final[cs[i].clientMsgs-1]
 	}
 	var sumCachedS, sumPromptS int
+	seenSummary := map[string]bool{}
 	var anchored, fresh, local []float64
 	for i, st := range cs {
 		r := stepFigures{clientStep: st, summarizes: sumsByStep[st.n], latestOK: true, firstOK: true, finalOK: true}
@@ -297,6 +311,7 @@ func computeFigures(t *testing.T, cfg llamaConfig, ls *llamaServer, cs []clientS
 				r.fwdMsgs = len(b.Messages)
 				r.fwdBytes = len(c.Body)
 				r.view = viewString(b.Messages, st.latest)
+				r.summary = summaryText(b.Messages)
 			}
 		}
 		if !r.latestOK {
@@ -327,11 +342,21 @@ func computeFigures(t *testing.T, cfg llamaConfig, ls *llamaServer, cs []clientS
 				local = append(local, math.Abs(e))
 			}
 		}
-		if st.action == "summarized" && f.firstSummarized == 0 {
-			f.firstSummarized = st.n
-		}
-		if st.action == "reused" && f.firstSummarized > 0 && f.firstReusedAfter == 0 {
-			f.firstReusedAfter = st.n
+		// A summary is made at the first step that forwards it (answered
+		// summarized, or reused when a background summary made it) and
+		// reused at a later step that forwards the same text again.
+		if r.summary != "" {
+			if seenSummary[r.summary] {
+				if f.firstSummarized > 0 && f.firstReusedAfter == 0 {
+					f.firstReusedAfter = st.n
+				}
+			} else {
+				seenSummary[r.summary] = true
+				f.summariesApplied++
+				if f.firstSummarized == 0 {
+					f.firstSummarized = st.n
+				}
+			}
 		}
 		if st.action == "dropped" {
 			f.drops++
@@ -470,7 +495,7 @@ func (f *figures) render() string {
 	}
 	row("non-200 answers (bad streams)", fmt.Sprintf("%d (%d)", f.non200, f.badStreams), "0", f.non200 == 0 && f.badStreams == 0)
 	row("actions (X-Compactproxy-Compaction)", strings.Join(acts, " "), "", true)
-	row("first summarized step / first reuse after", fmt.Sprintf("%d / %d", f.firstSummarized, f.firstReusedAfter), "both > 0", f.firstSummarized > 0 && f.firstReusedAfter > 0)
+	row("summaries forwarded; first step / first reuse", fmt.Sprintf("%d; %d / %d", f.summariesApplied, f.firstSummarized, f.firstReusedAfter), "both > 0", f.firstSummarized > 0 && f.firstReusedAfter > 0)
 	row("summarize_total success / failure", fmt.Sprintf("%.0f / %.0f", f.sumSuccess, f.sumFail), "", true)
 	row("drops: steps answered dropped / compactions_total", fmt.Sprintf("%d / %.0f", f.drops, f.dropMetric), "0 while failure=0", !(f.sumFail == 0 && (f.drops > 0 || f.dropMetric > 0)))
 	row("steps missing latest instruction", ints(f.latestMissing), "none", len(f.latestMissing) == 0)
@@ -566,9 +591,9 @@ func (f *figures) assertGoals(t *testing.T) {
 		t.Errorf("goal: every stream ends with [DONE] and no error event; %d did not", f.badStreams)
 	}
 	if f.firstSummarized == 0 {
-		t.Errorf("goal: at least one summary made (X-Compactproxy-Compaction: summarized); none in %d steps (actions %v)", len(f.rows), f.actions)
+		t.Errorf("goal: at least one summary made and forwarded; none in %d steps (actions %v)", len(f.rows), f.actions)
 	} else if f.firstReusedAfter == 0 {
-		t.Errorf("goal: the summary made at step %d is reused later (X-Compactproxy-Compaction: reused); it never was", f.firstSummarized)
+		t.Errorf("goal: the summary first forwarded at step %d is forwarded again later; it never was", f.firstSummarized)
 	}
 	if f.sumFail == 0 && (f.drops > 0 || f.dropMetric > 0) {
 		notMet(" no drop while the summarizer works; summarize_total{failure}=0 but %d steps answered dropped, compactions_total{dropped}=%.0f", f.drops, f.dropMetric)

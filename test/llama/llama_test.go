@@ -21,6 +21,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -45,6 +46,7 @@ type llamaConfig struct {
 	ctx        int
 	template   string // file; "" = ChatML
 	configured bool   // upstream.context_window set (else discovered from /props)
+	workload   string // stress or paced (agent_test.go)
 }
 
 // resolvePath takes a path as given, else relative to the repository root
@@ -113,7 +115,8 @@ func templateName(p string) string {
 // matrix: every context × every template, the window discovered from
 // /props as a sidecar user would; plus the smallest context with the last
 // template and upstream.context_window configured instead (the cheaper
-// one: the point is the other way of knowing the window).
+// one: the point is the other way of knowing the window); all with the
+// stress workload, then every context × template again with the paced one.
 func matrix(e llamaEnv) []llamaConfig {
 	var out []llamaConfig
 	for _, c := range e.contexts {
@@ -123,6 +126,11 @@ func matrix(e llamaEnv) []llamaConfig {
 	}
 	c, tp := e.contexts[0], e.templates[len(e.templates)-1]
 	out = append(out, llamaConfig{name: fmt.Sprintf("%s-%d-configured", templateName(tp), c), ctx: c, template: tp, configured: true})
+	for _, c := range e.contexts {
+		for _, tp := range e.templates {
+			out = append(out, llamaConfig{name: fmt.Sprintf("paced-%s-%d-discovered", templateName(tp), c), ctx: c, template: tp, workload: paced})
+		}
+	}
 	return out
 }
 
@@ -150,6 +158,24 @@ func TestLlamaAgentLoop(t *testing.T) {
 	}
 	start := time.Now()
 	configs := matrix(env)
+	// LLAMA_RUN: a regular expression on the configuration names, to run
+	// a part of the matrix (e.g. LLAMA_RUN=paced).
+	if re := os.Getenv("LLAMA_RUN"); re != "" {
+		rx, err := regexp.Compile(re)
+		if err != nil {
+			t.Fatalf("LLAMA_RUN=%q: %v", re, err)
+		}
+		var keep []llamaConfig
+		for _, c := range configs {
+			if rx.MatchString(c.name) {
+				keep = append(keep, c)
+			}
+		}
+		if len(keep) == 0 {
+			t.Fatalf("LLAMA_RUN=%q matches no configuration", re)
+		}
+		configs = keep
+	}
 	b := newBudget(t, configs)
 	for _, cfg := range configs {
 		deadline := b.next()
@@ -190,8 +216,10 @@ func runLoop(t *testing.T, env llamaEnv, cfg llamaConfig, bin string, ws []wsFil
 	// LLAMA_PROXY_ENV: extra compactproxy settings for every configuration,
 	// space-separated KEY=value (e.g. to measure with another reserve).
 	// stories260K never emits end-of-sequence at temperature 0, so a
-	// summary always runs to its limit: 256 tokens is what a real model's
-	// resume of this loop takes, and keeps the matrix within its budget.
+	// summary always runs to its limit: min(256, the room) tokens. (Before
+	// compactproxy stopped passing the client's n_predict on to summarize
+	// calls, they ran to the harness's n_predict of 16 instead.) llama-server
+	// has no cap that beats the request's own limit (its -n does not).
 	// (The settings below come first: LLAMA_PROXY_ENV may override them.)
 	extra := append([]string{"COMPACTPROXY_COMPACTION_SUMMARIZER_MAX_TOKENS=256"}, strings.Fields(os.Getenv("LLAMA_PROXY_ENV"))...)
 	if cfg.configured {
@@ -200,7 +228,7 @@ func runLoop(t *testing.T, env llamaEnv, cfg llamaConfig, bin string, ws []wsFil
 	proxy, purl := startProxy(t, bin, rec.srv.URL+"/v1", extra...)
 
 	tools := toolsFor(cfg.ctx)
-	script := buildScript(cfg.ctx, ws)
+	script := buildScript(cfg.ctx, cfg.workload, ws)
 	msgs := []message{{Role: "system", Content: systemPrompt}, {Role: "user", Content: firstTask}}
 	conv := fmt.Sprintf("llamatest-%s-%d", cfg.name, time.Now().UnixNano())
 	// The loop has a time budget, so that an engine that makes a slow call
