@@ -1,6 +1,7 @@
 package compaction
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -95,6 +96,16 @@ type SummaryRequest struct {
 	// transcript.
 	Prefix       []chat.Message
 	PrefixTokens int
+	// Kept is set for a background summary (Input.Presummarize): the rest
+	// of the view as it was just forwarded, after Prefix (the verbatim
+	// tail and the client's final message); KeptTokens is its estimate.
+	// The upstream's cache holds Prefix+Kept, so a request that extends
+	// Prefix+Kept (asking for a summary of Prefix only) leaves that cache
+	// whole for the client's next request, where one that extends Prefix
+	// alone makes a one-slot server such as llama-server evaluate the
+	// tail again.
+	Kept       []chat.Message
+	KeptTokens int
 }
 
 // Clock gives the time (the throttle's only use of it).
@@ -781,6 +792,20 @@ func (r *run) applyPending(p *plan, base plan, headStart, cur int) (plan, int, b
 	return q, e, true
 }
 
+// keptAfter returns what follows prefix in view when prefix is, byte for
+// byte, the start of view (nil otherwise).
+func keptAfter(prefix, view []chat.Message) []chat.Message {
+	if len(view) <= len(prefix) {
+		return nil
+	}
+	for i := range prefix {
+		if !bytes.Equal(prefix[i].Raw, view[i].Raw) {
+			return nil
+		}
+	}
+	return view[len(prefix):len(view):len(view)]
+}
+
 // presummarize is the background run: step 2 on the client's view as if
 // it were over the trigger; a summary goes to State.Pending.
 func (r *run) presummarize(out Output, p plan, cur int) Output {
@@ -972,10 +997,17 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 		previous = p.sum.Text
 	}
 	prefix := r.prefixView(*p, cut)
-	text, err := r.e.sum.Summarize(r.ctx, SummaryRequest{
+	req := SummaryRequest{
 		Head: r.headView(*p, headStart, cut), Previous: previous, MaxTokens: limit,
 		Prefix: prefix, PrefixTokens: r.est(prefix),
-	})
+	}
+	if r.in.Presummarize {
+		req.Kept = keptAfter(prefix, r.view(*p))
+		if len(req.Kept) > 0 {
+			req.KeptTokens = max(cur-req.PrefixTokens, 0)
+		}
+	}
+	text, err := r.e.sum.Summarize(r.ctx, req)
 	text = strings.TrimSpace(text)
 	if err == nil && text == "" {
 		err = ErrEmptySummary

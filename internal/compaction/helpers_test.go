@@ -102,6 +102,7 @@ type fakeSummarizer struct {
 	heads  [][]chat.Message
 	prevs  []string
 	limits []int
+	reqs   []SummaryRequest
 	fn     func(call int, head []chat.Message, previous string) (string, error)
 }
 
@@ -113,6 +114,7 @@ func (s *fakeSummarizer) Summarize(ctx context.Context, req SummaryRequest) (str
 	s.heads = append(s.heads, head)
 	s.prevs = append(s.prevs, previous)
 	s.limits = append(s.limits, maxTokens)
+	s.reqs = append(s.reqs, req)
 	s.mu.Unlock()
 	return s.fn(call, head, previous)
 }

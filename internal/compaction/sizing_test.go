@@ -209,6 +209,17 @@ func TestPresummarize(t *testing.T) {
 	if sum.Calls() != 1 || st.Pending == nil || st.Summary != nil || &bg.Messages[0] != &msgs[0] || bg.Action != ActionNone {
 		t.Fatalf("background run: calls %d pending %v summary %v action %q", sum.Calls(), st.Pending != nil, st.Summary != nil, bg.Action)
 	}
+	// The background request carries the rest of the view as forwarded
+	// (Kept), so the upstream's cache of the whole view survives it.
+	req := sum.reqs[0]
+	if len(req.Kept) == 0 || len(req.Prefix)+len(req.Kept) != len(msgs) || req.KeptTokens <= 0 {
+		t.Fatalf("background request: prefix %d + kept %d messages (%d tokens) for a %d-message view", len(req.Prefix), len(req.Kept), req.KeptTokens, len(msgs))
+	}
+	for i, m := range append(append([]chat.Message(nil), req.Prefix...), req.Kept...) {
+		if string(m.Raw) != string(msgs[i].Raw) {
+			t.Fatalf("background request: message %d is not the forwarded view's", i)
+		}
+	}
 	// Still below the trigger: the pending summary is not applied.
 	if out := run(msgs, false); out.Action != ActionNone || len(out.Messages) != len(msgs) {
 		t.Fatalf("pending summary applied below the trigger: %q", out.Action)
@@ -265,6 +276,13 @@ func TestFloorOverBudgetSummarizes(t *testing.T) {
 			}
 			if sum.Calls() == 0 {
 				t.Fatal("no summary made")
+			}
+			// A summary the request waits for is sent without the tail:
+			// the client's new messages are not in the upstream's cache.
+			for i, r := range sum.reqs {
+				if r.Kept != nil {
+					t.Fatalf("summarize %d (on the request's path) carries %d kept messages", i, len(r.Kept))
+				}
 			}
 		})
 	}

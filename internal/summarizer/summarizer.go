@@ -269,20 +269,38 @@ func (c *Client) Summarize(ctx context.Context, req compaction.SummaryRequest) (
 // prefixInstruction ends a prefix-shaped summarize request.
 const prefixInstruction = `Stop here; call no tool. Summarize the conversation so far (fold in any earlier summary) so the work can go on from the summary and the latest messages alone: ## Goal (the user's words) ## Decisions ## Files and key facts (exact paths, names) ## Commands and outcomes ## Open errors ## Next step. Only stated facts; exact identifiers. Answer with the summary only.`
 
+// keptInstruction ends a prefix-shaped summarize request that also carries
+// the kept messages (a background summary): %d is how many of the latest
+// messages stay verbatim and are not to be summarized.
+const keptInstruction = `Stop here; call no tool. The last %d messages above stay in the context verbatim after your summary: do not summarize them. Summarize the conversation before them (fold in any earlier summary) so the work can go on from the summary and those messages alone: ## Goal (the user's words) ## Decisions ## Files and key facts (exact paths, names) ## Commands and outcomes ## Open errors ## Next step. Only stated facts; exact identifiers. Answer with the summary only.`
+
 // prefixBody returns the prefix-shaped request body, nil when that shape
 // does not apply (no Builder, no prefix, a prefix ending on a user message
 // — two user messages would meet — or a request that would not fit the
-// window).
+// window). With req.Kept (a background summary) it extends the whole view
+// as forwarded, so the upstream's cache of it survives the call, when that
+// fits and does not end on a user message; else the prefix alone.
 func (c *Client) prefixBody(ctx context.Context, req compaction.SummaryRequest, maxTokens int) []byte {
 	build, ok := ctx.Value(builderKey{}).(Builder)
-	if !ok || build == nil || len(req.Prefix) == 0 || req.Prefix[len(req.Prefix)-1].Role == "user" {
+	if !ok || build == nil || len(req.Prefix) == 0 {
 		return nil
 	}
-	if win := c.window(ctx); win > 0 {
-		need := req.PrefixTokens + counter(ctx)(prefixInstruction) + maxTokens
-		if need > int(float64(win)*windowShare) {
-			return nil
+	fits := func(tokens int, instruction string) bool {
+		win := c.window(ctx)
+		return win <= 0 || tokens+counter(ctx)(instruction)+maxTokens <= int(float64(win)*windowShare)
+	}
+	if k := len(req.Kept); k > 0 && req.Kept[k-1].Role != "user" {
+		instruction := fmt.Sprintf(keptInstruction, k)
+		if fits(req.PrefixTokens+req.KeptTokens, instruction) {
+			msgs := make([]chat.Message, 0, len(req.Prefix)+k+1)
+			msgs = append(msgs, req.Prefix...)
+			msgs = append(msgs, req.Kept...)
+			msgs = append(msgs, chat.NewTextMessage("user", instruction))
+			return build(msgs, maxTokens)
 		}
+	}
+	if req.Prefix[len(req.Prefix)-1].Role == "user" || !fits(req.PrefixTokens, prefixInstruction) {
+		return nil
 	}
 	msgs := make([]chat.Message, 0, len(req.Prefix)+1)
 	msgs = append(msgs, req.Prefix...)

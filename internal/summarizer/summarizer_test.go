@@ -416,3 +416,66 @@ func TestPrefixShape(t *testing.T) {
 		}
 	}
 }
+
+// A background summary carries the rest of the forwarded view (Kept): the
+// request extends prefix+kept byte for byte and names how many messages
+// stay verbatim, so the upstream's cache of the whole view survives the
+// call. Kept that does not fit the window, or ends on a user message,
+// falls back to the prefix alone.
+func TestPrefixShapeWithKept(t *testing.T) {
+	ep := newEndpoint(t, nil)
+	c := New(ep.Client().Transport, Options{URL: ep.URL + "/v1", Model: "m", MaxTokens: 300, Window: 4096})
+	h := agentHead(t, 4, 100)
+	prefix, kept := h[:len(h)-2], h[len(h)-2:]
+	var built [][]chat.Message
+	ctx := WithBuilder(context.Background(), func(msgs []chat.Message, maxTokens int) []byte {
+		built = append(built, msgs)
+		var b strings.Builder
+		fmt.Fprintf(&b, `{"model":"m","max_tokens":%d,"messages":[`, maxTokens)
+		for i, m := range msgs {
+			if i > 0 {
+				b.WriteByte(',')
+			}
+			b.Write(m.Raw)
+		}
+		b.WriteString("]}")
+		return []byte(b.String())
+	})
+	ctx = WithCounter(ctx, func(text string) int { return len(text)/4 + 4 })
+	req := compaction.SummaryRequest{Head: prefix, MaxTokens: 200, Prefix: prefix, PrefixTokens: 300, Kept: kept, KeptTokens: 100}
+	if _, err := c.Summarize(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	if len(built) != 1 || len(built[0]) != len(h)+1 {
+		t.Fatalf("built %d bodies, first with %d messages; want 1 with %d", len(built), len(built[0]), len(h)+1)
+	}
+	for i := range h {
+		if string(built[0][i].Raw) != string(h[i].Raw) {
+			t.Fatalf("message %d of prefix+kept changed", i)
+		}
+	}
+	want := fmt.Sprintf(keptInstruction, len(kept))
+	if got := chat.Text(built[0][len(h)]); got != want {
+		t.Fatalf("instruction %q, want %q", got, want)
+	}
+
+	// Kept too large for the window: the prefix alone.
+	req.KeptTokens = 3500
+	if _, err := c.Summarize(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	// Kept ending on a user message: the prefix alone.
+	req.KeptTokens = 100
+	req.Kept = append(append([]chat.Message(nil), kept...), head(t, map[string]any{"role": "user", "content": "next"})...)
+	if _, err := c.Summarize(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	if len(built) != 3 {
+		t.Fatalf("built %d bodies, want 3", len(built))
+	}
+	for _, b := range built[1:] {
+		if len(b) != len(prefix)+1 || chat.Text(b[len(prefix)]) != prefixInstruction {
+			t.Fatalf("fallback is not the prefix alone: %d messages", len(b))
+		}
+	}
+}
