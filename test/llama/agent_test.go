@@ -143,15 +143,15 @@ type scriptStep struct {
 // engine has after the fixed part (Qwen2.5: about 700 tokens of 1,536).
 var sizes = []int{1200, 600, 900, 400, 750, 1000, 300, 850, 500, 1100}
 
-// Workloads. stress: the sizes above, a step appending 15–35% of the
-// prompt, so the loop compacts every few steps (and at 2k with the Qwen2.5
-// tools sometimes has no room for a summary at all). paced: a step is the
-// share of the window a coding agent's step is of a 128k window (a read of
-// 40–300 lines is 1–3% of it): results of 40–300 bytes at 4k, a third of
-// that at 2k (floored at 40, one line), so the conversation crosses the
-// trigger a few times in 40 steps instead of every few steps. The cache
-// ceiling (what the appended tokens leave) is under 0.8 for stress, over it
-// for paced: cache reuse ≥ 0.8 is judged on paced.
+// Workloads. stress: the sizes above; a step appends a fifth of the room
+// after the fixed part at ChatML 4k and half of it at Qwen2.5 2k, so the
+// loop compacts at almost every step (and at 2k with the Qwen2.5 tools
+// sometimes has no room for a summary at all). paced: results of 75–300
+// bytes at 4k, a third of that at 2k (floored at 40, one line); a step
+// appends 7–18% of the room (37% at Qwen2.5 2k) and the conversation
+// crosses the trigger every few steps. The cache ceiling (what the
+// appended tokens leave for any proxy) is 0.67–0.75 for stress and
+// 0.82–0.88 for paced: the cache goal is judged on paced.
 const (
 	stress = ""
 	paced  = "paced"

@@ -571,7 +571,7 @@ func (f *figures) render() string {
 // assertGoals holds the engine to issue 8's "Done when". The goals the
 // engine does not meet yet on this model are reported (a "GOAL NOT MET"
 // line) and held to a regression bound instead: the anchored estimate
-// (goal 5%, bound 8%), cache reuse (goal 0.8, bound 0.35) and no drop while
+// (goal 5%, bound 8%), cache reuse (goal 0.8, bound cacheBound) and no drop while
 // the summarizer works (at 2k with the Qwen2.5 tools no summary fits at
 // several steps, where DESIGN allows a drop). A loop cut short by the time
 // budget is reported too: its figures cover the steps that ran.
@@ -621,8 +621,8 @@ func (f *figures) assertGoals(t *testing.T) {
 	if f.freshN > 0 && f.freshMAE > 10 {
 		t.Errorf("goal: freshly compacted views within 10%% of the reported prompt_tokens; mean |error| %.1f%% over %d steps", f.freshMAE, f.freshN)
 	}
-	if f.cacheReuse < 0.35 {
-		t.Errorf("cache reuse Σcached ÷ Σprompt after step 1 %.3f (%d/%d), under the 0.35 regression bound (goal 0.8)", f.cacheReuse, f.sumCached, f.sumPrompt)
+	if bound := cacheBound[f.cfg.workload]; f.cacheReuse < bound {
+		t.Errorf("cache reuse Σcached ÷ Σprompt after step 1 %.3f (%d/%d), under the %.2f regression bound of the %q workload (goal 0.8)", f.cacheReuse, f.sumCached, f.sumPrompt, bound, f.cfg.workload)
 	} else if f.cacheReuse < 0.8 {
 		notMet("cache reuse Σcached ÷ Σprompt after step 1 >= 0.8; got %.3f (%d/%d)", f.cacheReuse, f.sumCached, f.sumPrompt)
 	}
@@ -633,6 +633,10 @@ func (f *figures) assertGoals(t *testing.T) {
 		t.Errorf("the client's final message stays final in the forwarded view; not at steps %s", ints(f.finalMoved))
 	}
 }
+
+// cacheBound is the cache figure's regression bound per workload, under
+// the figures measured: paced 0.72–0.78, stress 0.42–0.70 (README).
+var cacheBound = map[string]float64{paced: 0.65, stress: 0.35}
 
 // minAnchoredForBound is how many anchored steps the 8% regression bound
 // needs: below it the cold-start step 2 (one anchor, no calibration yet)

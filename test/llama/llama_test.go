@@ -112,27 +112,39 @@ func templateName(p string) string {
 	return strings.TrimSuffix(filepath.Base(p), ".jinja")
 }
 
-// matrix: every context × every template, the window discovered from
-// /props as a sidecar user would; plus the smallest context with the last
-// template and upstream.context_window configured instead (the cheaper
-// one: the point is the other way of knowing the window); all with the
-// stress workload, then every context × template again with the paced one.
+// matrix: the paced workload at every context × every template, the window
+// discovered from /props as a sidecar user would; plus the smallest context
+// with the last template and upstream.context_window configured instead
+// (the cheaper one: the point is the other way of knowing the window); then
+// the stress workload where it bites hardest: the largest context with
+// ChatML (a step is a fifth of the room: compaction at almost every step)
+// and the smallest with the last template (the tools leave a room of about
+// 640 tokens: sometimes no summary fits at all).
 func matrix(e llamaEnv) []llamaConfig {
 	var out []llamaConfig
 	for _, c := range e.contexts {
 		for _, tp := range e.templates {
-			out = append(out, llamaConfig{name: fmt.Sprintf("%s-%d-discovered", templateName(tp), c), ctx: c, template: tp})
+			out = append(out, llamaConfig{name: fmt.Sprintf("%s-%d-discovered", templateName(tp), c), ctx: c, template: tp, workload: paced})
 		}
 	}
-	c, tp := e.contexts[0], e.templates[len(e.templates)-1]
-	out = append(out, llamaConfig{name: fmt.Sprintf("%s-%d-configured", templateName(tp), c), ctx: c, template: tp, configured: true})
-	for _, c := range e.contexts {
-		for _, tp := range e.templates {
-			out = append(out, llamaConfig{name: fmt.Sprintf("paced-%s-%d-discovered", templateName(tp), c), ctx: c, template: tp, workload: paced})
-		}
-	}
+	small, large := e.contexts[0], e.contexts[len(e.contexts)-1]
+	first, last := e.templates[0], e.templates[len(e.templates)-1]
+	out = append(out,
+		llamaConfig{name: fmt.Sprintf("%s-%d-configured", templateName(last), small), ctx: small, template: last, configured: true, workload: paced},
+		llamaConfig{name: fmt.Sprintf("stress-%s-%d-discovered", templateName(first), large), ctx: large, template: first, workload: stress},
+		llamaConfig{name: fmt.Sprintf("stress-%s-%d-discovered", templateName(last), small), ctx: small, template: last, workload: stress})
 	return out
 }
+
+// summaryTokens is compaction.summarizer.max_tokens for a window: 1/32 of
+// it (64 tokens at 2k, 128 at 4k), the share of the window a real model's
+// summary of an agent session takes (a few thousand tokens at 128k).
+// stories260K never ends a text at temperature 0, so without it every
+// summary would fill its room; llama-server has no cap that beats the
+// request's own limit (its -n does not). Until compactproxy stopped passing
+// the client's n_predict on to summarize calls, they ran to the harness's
+// 16 tokens instead.
+func summaryTokens(window int) int { return window / 32 }
 
 // TestLlamaAgentLoop is the matrix. Each configuration gets its own
 // llama-server, recorder and compactproxy; they run one after the other
@@ -216,12 +228,10 @@ func runLoop(t *testing.T, env llamaEnv, cfg llamaConfig, bin string, ws []wsFil
 	// LLAMA_PROXY_ENV: extra compactproxy settings for every configuration,
 	// space-separated KEY=value (e.g. to measure with another reserve).
 	// stories260K never emits end-of-sequence at temperature 0, so a
-	// summary always runs to its limit: min(256, the room) tokens. (Before
-	// compactproxy stopped passing the client's n_predict on to summarize
-	// calls, they ran to the harness's n_predict of 16 instead.) llama-server
-	// has no cap that beats the request's own limit (its -n does not).
+	// summary always runs to its limit, min(summarizer.max_tokens, room):
+	// summaryTokens sets the length a model's summary would have.
 	// (The settings below come first: LLAMA_PROXY_ENV may override them.)
-	extra := append([]string{"COMPACTPROXY_COMPACTION_SUMMARIZER_MAX_TOKENS=256"}, strings.Fields(os.Getenv("LLAMA_PROXY_ENV"))...)
+	extra := append([]string{"COMPACTPROXY_COMPACTION_SUMMARIZER_MAX_TOKENS=" + strconv.Itoa(summaryTokens(cfg.ctx))}, strings.Fields(os.Getenv("LLAMA_PROXY_ENV"))...)
 	if cfg.configured {
 		extra = append(extra, "COMPACTPROXY_UPSTREAM_CONTEXT_WINDOW="+strconv.Itoa(cfg.ctx))
 	}
@@ -323,7 +333,7 @@ type budget struct {
 
 func newBudget(t *testing.T, configs []llamaConfig) *budget {
 	t.Helper()
-	d := 290 * time.Second
+	d := 420 * time.Second
 	if s := os.Getenv("LLAMA_BUDGET"); s != "" {
 		v, err := time.ParseDuration(s)
 		if err != nil || v <= 0 {
