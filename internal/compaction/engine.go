@@ -58,7 +58,9 @@ type Config struct {
 	// room), where room is what the target leaves for the summary.
 	SummaryTokens int
 	// SummaryMinTokens: a summary is attempted only when at least this
-	// much room is left for it (0 = 256).
+	// much room is left for it (0 = 256). Never more than SummaryTokens: a
+	// summary asked for at most 64 tokens fits a room of 64, and demanding
+	// 256 for it would drop turns where it fits.
 	SummaryMinTokens int
 }
 
@@ -270,6 +272,7 @@ func New(cfg Config, s Summarizer, c Clock) *Engine {
 	if cfg.SummaryMinTokens <= 0 {
 		cfg.SummaryMinTokens = DefaultSummaryMinTokens
 	}
+	cfg.SummaryMinTokens = min(cfg.SummaryMinTokens, cfg.SummaryTokens)
 	cfg.TailRatio = min(max(cfg.TailRatio, 0), 1)
 	cfg.KeepTail = max(cfg.KeepTail, 0)
 	cfg.LatchGrowth = max(cfg.LatchGrowth, 0)

@@ -287,3 +287,41 @@ func TestFloorOverBudgetSummarizes(t *testing.T) {
 		})
 	}
 }
+
+// summary_min_tokens never exceeds the summary's own limit: with
+// summarizer.max_tokens 64 (a small window's summaries) and the default
+// minimum of 256, a room of 64–255 tokens still gets a summary, not a drop.
+func TestSummaryMinCappedBySummaryTokens(t *testing.T) {
+	for _, c := range []struct{ win, fixed, size int }{{2048, 3500, 1000}, {2048, 3500, 1300}, {4096, 5000, 2800}} {
+		t.Run(fmt.Sprint(c.win, "-", c.size), func(t *testing.T) {
+			cfg := baseConfig()
+			cfg.MinInterval = 0
+			cfg.ReserveTokens = 4096
+			cfg.SummaryTokens = 64
+			cfg.SummaryMinTokens = 256
+			cfg.TailRatio = 0.3
+			sum := okSummarizer()
+			s := &session{tb: t, e: New(cfg, sum, newClock()), win: c.win}
+			conv := []msg{sysMsg(blob("tools", c.fixed)), userMsg(ask)}
+			for step := 0; step < 40; step++ {
+				id := fmt.Sprintf("q%d", step)
+				conv = append(conv, callMsg("", id+`:read:{}`), toolMsg(id, blob(id, c.size)))
+				msgs := parse(t, conv)
+				out := s.step(msgs)
+				checkView(t, msgs, out)
+				if slices.Contains(out.Events.NewActions, ActionDropped) {
+					t.Fatalf("step %d: dropped while a summary of at most %d tokens fits (forwarded %d, budget %d, %d summaries so far)",
+						step, cfg.SummaryTokens, out.Forwarded, out.Budget, sum.Calls())
+				}
+			}
+			if sum.Calls() == 0 {
+				t.Fatal("no summary made")
+			}
+			for i, l := range sum.limits {
+				if l > 64 {
+					t.Fatalf("summarize %d asked for %d tokens, over summarizer.max_tokens 64", i, l)
+				}
+			}
+		})
+	}
+}
