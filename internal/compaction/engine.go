@@ -58,9 +58,10 @@ type Config struct {
 	// room), where room is what the target leaves for the summary.
 	SummaryTokens int
 	// SummaryMinTokens: a summary is attempted only when at least this
-	// much room is left for it (0 = 256). Never more than SummaryTokens: a
-	// summary asked for at most 64 tokens fits a room of 64, and demanding
-	// 256 for it would drop turns where it fits.
+	// much room is left for it (0 = 256), or SummaryTokens when that is
+	// smaller: a summary asked for at most 64 tokens fits a room of 64, and
+	// demanding 256 for it would drop turns where it fits. It is also the
+	// least head a new summary folds while the view is within the budget.
 	SummaryMinTokens int
 }
 
@@ -272,7 +273,6 @@ func New(cfg Config, s Summarizer, c Clock) *Engine {
 	if cfg.SummaryMinTokens <= 0 {
 		cfg.SummaryMinTokens = DefaultSummaryMinTokens
 	}
-	cfg.SummaryMinTokens = min(cfg.SummaryMinTokens, cfg.SummaryTokens)
 	cfg.TailRatio = min(max(cfg.TailRatio, 0), 1)
 	cfg.KeepTail = max(cfg.KeepTail, 0)
 	cfg.LatchGrowth = max(cfg.LatchGrowth, 0)
@@ -460,7 +460,7 @@ func (r *run) tailLimit(out Output) int {
 	cfg := r.e.cfg
 	room := out.Budget - out.Fixed
 	label := int(float64(len(summaryLabel)+len(ackText))/bytesPerToken*r.ratio) + 2*anchorMessageOverhead
-	return min(int(float64(room)*cfg.TailRatio), out.Target-out.Fixed-cfg.SummaryMinTokens-label)
+	return min(int(float64(room)*cfg.TailRatio), out.Target-out.Fixed-cfg.minRoom()-label)
 }
 
 // anchorMessageOverhead is the template's cost of a message, as the local
@@ -795,6 +795,10 @@ func (r *run) applyPending(p *plan, base plan, headStart, cur int) (plan, int, b
 	return q, e, true
 }
 
+// minRoom is the least room a summary needs: summary_min_tokens, or the
+// summary's own limit when that is smaller.
+func (c Config) minRoom() int { return min(c.SummaryMinTokens, c.SummaryTokens) }
+
 // keptAfter returns what follows prefix in view when prefix is, byte for
 // byte, the start of view (nil otherwise).
 func keptAfter(prefix, view []chat.Message) []chat.Message {
@@ -907,14 +911,14 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 		base = withSummary(*p, cand)
 		withoutHead = r.est(r.view(base))
 		room = target - withoutHead
-		if room < cfg.SummaryMinTokens {
+		if room < cfg.minRoom() {
 			// Excerpt the tail's oldest long tool results (never the final
 			// message) and measure again; then accept the budget.
 			if cands := r.trimCandidates(base, cut, r.n-1, 0); len(cands) > 0 {
-				r.applyTrims(&base, cands, tightKeep, target-cfg.SummaryMinTokens)
+				r.applyTrims(&base, cands, tightKeep, target-cfg.minRoom())
 				room = target - r.est(r.view(base))
 			}
-			if room < cfg.SummaryMinTokens {
+			if room < cfg.minRoom() {
 				room = budget - r.est(r.view(base))
 			}
 		}
@@ -931,7 +935,7 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 		// the view is over the budget: only a later cut can help.
 		cut = headStart
 	}
-	if room < cfg.SummaryMinTokens {
+	if room < cfg.minRoom() {
 		// The tail's floor itself leaves no summary room (a small window
 		// with a large fixed part: keep_tail spans two turns). Its older
 		// turns go into the summary, never past the final message's turn:
@@ -940,11 +944,11 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 		for final > cut && isToolRole(r.msgs[final].Role) {
 			final--
 		}
-		for c := cut + 1; c <= final && room < cfg.SummaryMinTokens; c++ {
+		for c := cut + 1; c <= final && room < cfg.minRoom(); c++ {
 			if isToolRole(r.msgs[c].Role) {
 				continue
 			}
-			if cc, cb, cw, cr := measure(c); cr >= cfg.SummaryMinTokens {
+			if cc, cb, cw, cr := measure(c); cr >= cfg.minRoom() {
 				cut, cand, base, withoutHead, room = c, cc, cb, cw, cr
 			}
 		}
@@ -963,7 +967,7 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 	// again at every step), unless the view is over the budget: then the
 	// alternative is a drop, and a summary that fits comes first.
 	fresh := r.est(r.prefixView(*p, cut)) - r.est(r.prefixView(*p, headStart))
-	if room < cfg.SummaryMinTokens || headTokens < cfg.SummaryMinTokens || (fresh < cfg.SummaryMinTokens && cur <= budget) {
+	if room < cfg.minRoom() || headTokens < cfg.minRoom() || (fresh < cfg.SummaryMinTokens && cur <= budget) {
 		return cur, false // no summary fits: step 4
 	}
 	limit := min(cfg.SummaryTokens, room, headTokens)
