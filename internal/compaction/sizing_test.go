@@ -240,6 +240,37 @@ func TestPresummarize(t *testing.T) {
 	}
 }
 
+// floorLoop runs 40 single-read steps of size bytes behind a fixed part of
+// fixed bytes at window win and fails at the first step that drops turns
+// or forwards over the budget; it returns the summarizer.
+func floorLoop(t *testing.T, cfg Config, win, fixed, size int) *fakeSummarizer {
+	t.Helper()
+	cfg.MinInterval = 0
+	cfg.ReserveTokens = 4096
+	cfg.TailRatio = 0.3
+	sum := okSummarizer()
+	s := &session{tb: t, e: New(cfg, sum, newClock()), win: win}
+	conv := []msg{sysMsg(blob("tools", fixed)), userMsg(ask)}
+	for step := 0; step < 40; step++ {
+		id := fmt.Sprintf("q%d", step)
+		conv = append(conv, callMsg("", id+`:read:{}`), toolMsg(id, blob(id, size)))
+		msgs := parse(t, conv)
+		out := s.step(msgs)
+		checkView(t, msgs, out)
+		if slices.Contains(out.Events.NewActions, ActionDropped) {
+			t.Fatalf("step %d: dropped while the summarizer works and a summary of at most %d tokens fits (forwarded %d, budget %d, %d summaries so far)",
+				step, cfg.SummaryTokens, out.Forwarded, out.Budget, sum.Calls())
+		}
+		if out.Forwarded > out.Budget {
+			t.Fatalf("step %d: forwarded %d over the budget %d", step, out.Forwarded, out.Budget)
+		}
+	}
+	if sum.Calls() == 0 {
+		t.Fatal("no summary made")
+	}
+	return sum
+}
+
 // A large fixed part (a tools-heavy system turn) leaves a room of a few
 // steps: after a summary, one new turn can take the view over the budget
 // while keep_tail's floor (two single-call turns) covers everything since
@@ -252,31 +283,9 @@ func TestFloorOverBudgetSummarizes(t *testing.T) {
 	} {
 		t.Run(fmt.Sprint(c.win, "-", c.size), func(t *testing.T) {
 			cfg := baseConfig()
-			cfg.MinInterval = 0
-			cfg.ReserveTokens = 4096
 			cfg.SummaryTokens = 256
 			cfg.SummaryMinTokens = 96
-			cfg.TailRatio = 0.3
-			sum := okSummarizer()
-			s := &session{tb: t, e: New(cfg, sum, newClock()), win: c.win}
-			conv := []msg{sysMsg(blob("tools", c.fixed)), userMsg(ask)}
-			for step := 0; step < 40; step++ {
-				id := fmt.Sprintf("q%d", step)
-				conv = append(conv, callMsg("", id+`:read:{}`), toolMsg(id, blob(id, c.size)))
-				msgs := parse(t, conv)
-				out := s.step(msgs)
-				checkView(t, msgs, out)
-				if slices.Contains(out.Events.NewActions, ActionDropped) {
-					t.Fatalf("step %d: dropped while the summarizer works (forwarded %d, budget %d, %d summaries so far)",
-						step, out.Forwarded, out.Budget, sum.Calls())
-				}
-				if out.Forwarded > out.Budget {
-					t.Fatalf("step %d: forwarded %d over the budget %d", step, out.Forwarded, out.Budget)
-				}
-			}
-			if sum.Calls() == 0 {
-				t.Fatal("no summary made")
-			}
+			sum := floorLoop(t, cfg, c.win, c.fixed, c.size)
 			// A summary the request waits for is sent without the tail:
 			// the client's new messages are not in the upstream's cache.
 			for i, r := range sum.reqs {
@@ -288,35 +297,17 @@ func TestFloorOverBudgetSummarizes(t *testing.T) {
 	}
 }
 
-// summary_min_tokens never exceeds the summary's own limit: with
-// summarizer.max_tokens 64 (a small window's summaries) and the default
-// minimum of 256, a room of 64–255 tokens still gets a summary, not a drop.
+// The room a summary needs is never more than the summary's own limit:
+// with summarizer.max_tokens 64 (a small window's summaries) and the
+// default summary_min_tokens of 256, a room of 64–255 tokens still gets a
+// summary, not a drop.
 func TestSummaryMinCappedBySummaryTokens(t *testing.T) {
 	for _, c := range []struct{ win, fixed, size int }{{2048, 3500, 1000}, {2048, 3500, 1300}, {4096, 5000, 2800}} {
 		t.Run(fmt.Sprint(c.win, "-", c.size), func(t *testing.T) {
 			cfg := baseConfig()
-			cfg.MinInterval = 0
-			cfg.ReserveTokens = 4096
 			cfg.SummaryTokens = 64
 			cfg.SummaryMinTokens = 256
-			cfg.TailRatio = 0.3
-			sum := okSummarizer()
-			s := &session{tb: t, e: New(cfg, sum, newClock()), win: c.win}
-			conv := []msg{sysMsg(blob("tools", c.fixed)), userMsg(ask)}
-			for step := 0; step < 40; step++ {
-				id := fmt.Sprintf("q%d", step)
-				conv = append(conv, callMsg("", id+`:read:{}`), toolMsg(id, blob(id, c.size)))
-				msgs := parse(t, conv)
-				out := s.step(msgs)
-				checkView(t, msgs, out)
-				if slices.Contains(out.Events.NewActions, ActionDropped) {
-					t.Fatalf("step %d: dropped while a summary of at most %d tokens fits (forwarded %d, budget %d, %d summaries so far)",
-						step, cfg.SummaryTokens, out.Forwarded, out.Budget, sum.Calls())
-				}
-			}
-			if sum.Calls() == 0 {
-				t.Fatal("no summary made")
-			}
+			sum := floorLoop(t, cfg, c.win, c.fixed, c.size)
 			for i, l := range sum.limits {
 				if l > 64 {
 					t.Fatalf("summarize %d asked for %d tokens, over summarizer.max_tokens 64", i, l)

@@ -342,6 +342,23 @@ func TestRenderMedia(t *testing.T) {
 	}
 }
 
+// buildBody is a test Builder's body: model m, the fields in extra (JSON
+// members with a trailing comma), max_tokens and msgs as they are; it
+// records msgs in built.
+func buildBody(built *[][]chat.Message, extra string, msgs []chat.Message, maxTokens int) []byte {
+	*built = append(*built, msgs)
+	var b strings.Builder
+	fmt.Fprintf(&b, `{"model":"m",%s"max_tokens":%d,"messages":[`, extra, maxTokens)
+	for i, m := range msgs {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		b.Write(m.Raw)
+	}
+	b.WriteString("]}")
+	return []byte(b.String())
+}
+
 // With a Builder (the summarizer is the chat upstream and model), the
 // request continues the forwarded prefix: the prefix's messages byte for
 // byte, then one instruction; the body comes from the Builder; the answer's
@@ -355,19 +372,8 @@ func TestPrefixShape(t *testing.T) {
 	var limits []int
 	var usage []anchor.Usage
 	ctx := WithBuilder(context.Background(), func(msgs []chat.Message, maxTokens int) []byte {
-		built = append(built, msgs)
 		limits = append(limits, maxTokens)
-		var b strings.Builder
-		b.WriteString(`{"model":"m","tools":[{"type":"function","function":{"name":"bash"}}],"tool_choice":"none","max_tokens":`)
-		fmt.Fprintf(&b, "%d,\"messages\":[", maxTokens)
-		for i, m := range msgs {
-			if i > 0 {
-				b.WriteByte(',')
-			}
-			b.Write(m.Raw)
-		}
-		b.WriteString("]}")
-		return []byte(b.String())
+		return buildBody(&built, `"tools":[{"type":"function","function":{"name":"bash"}}],"tool_choice":"none",`, msgs, maxTokens)
 	})
 	ctx = WithUsageHook(ctx, func(u anchor.Usage) { usage = append(usage, u) })
 	ctx = WithCounter(ctx, func(text string) int { return len(text)/4 + 4 })
@@ -429,17 +435,7 @@ func TestPrefixShapeWithKept(t *testing.T) {
 	prefix, kept := h[:len(h)-2], h[len(h)-2:]
 	var built [][]chat.Message
 	ctx := WithBuilder(context.Background(), func(msgs []chat.Message, maxTokens int) []byte {
-		built = append(built, msgs)
-		var b strings.Builder
-		fmt.Fprintf(&b, `{"model":"m","max_tokens":%d,"messages":[`, maxTokens)
-		for i, m := range msgs {
-			if i > 0 {
-				b.WriteByte(',')
-			}
-			b.Write(m.Raw)
-		}
-		b.WriteString("]}")
-		return []byte(b.String())
+		return buildBody(&built, "", msgs, maxTokens)
 	})
 	ctx = WithCounter(ctx, func(text string) int { return len(text)/4 + 4 })
 	req := compaction.SummaryRequest{Head: prefix, MaxTokens: 200, Prefix: prefix, PrefixTokens: 300, Kept: kept, KeptTokens: 100}
