@@ -14,7 +14,7 @@
 # is what the second full run left behind; the end is also given against
 # start_light and cold. Exit 1 when a request was not answered or aborted
 # correctly, the goroutines did not settle, or RSS was not flat.
-# It takes about 12-14 min (each settle waits for the runtime's forced
+# It takes about 14-15 min (each settle waits for the runtime's forced
 # collections, 2 min apart), at most about 18.
 #
 # Knobs (env): SOAK_STREAMS (1000), SOAK_DURATION (60s), SOAK_REHEARSAL (20s),
