@@ -7,15 +7,16 @@
 # Reports counts, compactproxy's goroutines, RSS (anonymous and
 # file-backed) and heap cold, after a light warm-up (start_light), after
 # the rehearsal (start), at peak and at the end, each settled (pools idle,
-# two collections, RSS flat for 30 s; at most SOAK_DRAIN), and p50/p99 TTFB
+# two collections, RSS flat for 30 s; start_light at most 240 s, the
+# others at most SOAK_DRAIN), and p50/p99 TTFB
 # of the direct and the measured phase. Flat is end within 10% of start:
 # the rehearsal puts the Go runtime's high-water figures (the peak's
 # goroutine descriptors, heap goal and metadata) into the start, so growth
 # is what the second full run left behind; the end is also given against
 # start_light and cold. Exit 1 when a request was not answered or aborted
 # correctly, the goroutines did not settle, or RSS was not flat.
-# It takes about 14-15 min (each settle waits for the runtime's forced
-# collections, 2 min apart), at most about 18.
+# It takes about 12 min (11.5 in the last run; each settle waits for the
+# runtime's forced collections, 2 min apart), at most about 18.
 #
 # Knobs (env): SOAK_STREAMS (1000), SOAK_DURATION (60s), SOAK_REHEARSAL (20s),
 # SOAK_TRICKLE (250ms), SOAK_LEAVE (0.1), SOAK_DRAIN (300s: how long the start
