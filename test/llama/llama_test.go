@@ -333,7 +333,7 @@ type budget struct {
 
 func newBudget(t *testing.T, configs []llamaConfig) *budget {
 	t.Helper()
-	d := 420 * time.Second
+	d := 540 * time.Second
 	if s := os.Getenv("LLAMA_BUDGET"); s != "" {
 		v, err := time.ParseDuration(s)
 		if err != nil || v <= 0 {
