@@ -57,8 +57,10 @@ ops-deps:
 redis-deps:
 	./scripts/redis-deps.sh
 
+# -timeout 20m: test/llama's matrix takes at most LLAMA_BUDGET (540 s) and
+# never more than half the test binary's deadline (the default 10 min).
 test: e2e-deps agent-deps ops-deps redis-deps
-	$(GO) test -race -count=1 ./...
+	$(GO) test -race -count=1 -timeout 20m ./...
 
 # Not part of `make test`. bench-go: go test benchmarks (parse and rewrite
 # path); bench-load: the load harness (mock upstream, bare proxy, compactproxy;

@@ -113,13 +113,12 @@ func templateName(p string) string {
 }
 
 // matrix: the paced workload at every context × every template, the window
-// discovered from /props as a sidecar user would; plus the smallest context
-// with the last template and upstream.context_window configured instead
-// (the cheaper one: the point is the other way of knowing the window); then
-// the stress workload where it bites hardest: the largest context with
-// ChatML (a step is a fifth of the room: compaction at almost every step)
-// and the smallest with the last template (the tools leave a room of about
-// 640 tokens: sometimes no summary fits at all).
+// discovered from /props as a sidecar user would; then the stress workload
+// where it bites hardest: the largest context with ChatML (a step is a
+// fifth of the room: compaction at almost every step) and the smallest with
+// the last template (the tools leave a room of about 640 tokens: sometimes
+// no summary fits at all), that one with upstream.context_window configured
+// instead of discovered (the point is the other way of knowing the window).
 func matrix(e llamaEnv) []llamaConfig {
 	var out []llamaConfig
 	for _, c := range e.contexts {
@@ -130,9 +129,8 @@ func matrix(e llamaEnv) []llamaConfig {
 	small, large := e.contexts[0], e.contexts[len(e.contexts)-1]
 	first, last := e.templates[0], e.templates[len(e.templates)-1]
 	out = append(out,
-		llamaConfig{name: fmt.Sprintf("%s-%d-configured", templateName(last), small), ctx: small, template: last, configured: true, workload: paced},
 		llamaConfig{name: fmt.Sprintf("stress-%s-%d-discovered", templateName(first), large), ctx: large, template: first, workload: stress},
-		llamaConfig{name: fmt.Sprintf("stress-%s-%d-discovered", templateName(last), small), ctx: small, template: last, workload: stress})
+		llamaConfig{name: fmt.Sprintf("stress-%s-%d-configured", templateName(last), small), ctx: small, template: last, configured: true, workload: stress})
 	return out
 }
 
