@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"bytes"
 	"strconv"
 	"testing"
 	"time"
@@ -99,4 +100,43 @@ func TestRequestJoiningBackgroundSummaryUsesIt(t *testing.T) {
 	if v := counter(t, p.reg, "compactproxy_presummarize_total", map[string]string{"result": "success"}); v == 0 {
 		t.Error("no background summary ran: the test did not exercise a joined flight")
 	}
+}
+
+// With the chat upstream as the summarizer, a background summary extends
+// the whole view the proxy has just forwarded (system, head, kept tail,
+// the client's final message), byte for byte, and only then asks for the
+// summary: llama-server's one slot keeps the view's KV for the next step.
+func TestBackgroundSummaryExtendsForwardedView(t *testing.T) {
+	up := countingUpstream(t)
+	cfg := compactionConfig(up.URL, up.URL)
+	cfg.Compaction.Summarizer.URL = ""
+	cfg.Upstream.ContextWindow = 6000
+	cfg.Compaction.MinInterval = 0
+	p := newTestProxy(t, cfg)
+	a := newAgent()
+	for step := 0; step < 40; step++ {
+		a.toolStep(400)
+		n := len(up.requests())
+		p.chatOK(t, a.body())
+		p.srv.flights.waitBackground()
+		reqs := up.requests()
+		if len(reqs) < n+2 {
+			continue // no background summary after this response
+		}
+		forwarded := forwardedMessages(t, reqs[n].Body)
+		summarize := forwardedMessages(t, reqs[n+1].Body)
+		if len(summarize) != len(forwarded)+1 {
+			t.Fatalf("background summarize request has %d messages for a %d-message forwarded view, want the view plus one instruction", len(summarize), len(forwarded))
+		}
+		for i := range forwarded {
+			if !bytes.Equal(forwarded[i], summarize[i]) {
+				t.Fatalf("background summarize request differs from the forwarded view at message %d:\n%s\n%s", i, forwarded[i], summarize[i])
+			}
+		}
+		if !bytes.Contains(summarize[len(summarize)-1], []byte("stay in the context verbatim")) {
+			t.Fatalf("last message is not the kept-tail instruction: %s", summarize[len(summarize)-1])
+		}
+		return
+	}
+	t.Fatal("no background summary in 40 steps")
 }
