@@ -25,67 +25,28 @@ out="${PROFILE_OUT:-$root/bench/results/profile-$scenario-c$conc.pprof}"
 latency="${BENCH_LATENCY:-20ms}"
 sumlatency="${BENCH_SUMMARIZER_LATENCY:-2s}"
 
-work="$(mktemp -d "${TMPDIR:-/tmp}/compactproxy-profile.XXXXXX")"
-pids=()
-cleanup() {
-	local pid
-	for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-	for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
-	rm -rf "$work"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-log() { echo "profile: $*" >&2; }
-
-wait_file() {
-	local i
-	for i in $(seq 1 200); do
-		[ -s "$1" ] && return 0
-		kill -0 "$2" 2>/dev/null || return 1
-		sleep 0.05
-	done
-	return 1
-}
+. bench/lib.sh
+bench_init profile profile
 
 go build -o "$work/" ./bench/cmd/mockupstream ./bench/cmd/bareproxy ./bench/cmd/loadgen
 CGO_ENABLED=0 go build -tags pprof -o "$work/compactproxy" ./cmd/compactproxy
 
-"$work/mockupstream" -latency "$latency" -addr-file "$work/mock.addr" >"$work/mock.log" 2>&1 &
-pids+=($!)
-wait_file "$work/mock.addr" "${pids[-1]}" || { log "mock did not start"; exit 1; }
-mock="$(cat "$work/mock.addr")"
-"$work/mockupstream" -latency "$sumlatency" -addr-file "$work/summock.addr" >"$work/summock.log" 2>&1 &
-pids+=($!)
-wait_file "$work/summock.addr" "${pids[-1]}" || { log "summarizer mock did not start"; exit 1; }
-summock="$(cat "$work/summock.addr")"
-"$work/bareproxy" -upstream "http://$mock" -addr-file "$work/bare.addr" >"$work/bare.log" 2>&1 &
-pids+=($!)
-wait_file "$work/bare.addr" "${pids[-1]}" || { log "bare proxy did not start"; exit 1; }
-bare="$(cat "$work/bare.addr")"
+start_addr mock mockupstream -latency "$latency"
+mock="$addr"
+start_addr summock mockupstream -latency "$sumlatency"
+summock="$addr"
+start_addr bare bareproxy -upstream "http://$mock"
+bare="$addr"
 
 port="$("$work/loadgen" -freeport)"
 pport="$("$work/loadgen" -freeport)"
-unset_args=()
-while IFS= read -r name; do unset_args+=(-u "$name"); done < <(env | sed -n 's/^\(COMPACTPROXY_[A-Za-z0-9_]*\)=.*/\1/p')
-(
-	cd "$work"
-	exec env "${unset_args[@]}" \
-		BENCH_PPROF_ADDR="127.0.0.1:$pport" \
-		COMPACTPROXY_LISTEN="127.0.0.1:$port" \
-		COMPACTPROXY_UPSTREAM_URL="http://$mock/v1" \
-		COMPACTPROXY_UPSTREAM_CONTEXT_WINDOW=1000000 \
-		COMPACTPROXY_MODELS="$("$work/loadgen" -print-models)" \
-		COMPACTPROXY_COMPACTION_SUMMARIZER_URL="http://$summock/v1" \
-		COMPACTPROXY_COMPACTION_SUMMARIZER_MODEL=bench-summarizer \
-		COMPACTPROXY_LOG_LEVEL=warn \
-		./compactproxy
-) >"$work/compactproxy.log" 2>&1 &
-cpid=$!
-pids+=("$cpid")
-for _ in $(seq 1 150); do
-	curl -fsS -o /dev/null --max-time 1 "http://127.0.0.1:$port/healthz" 2>/dev/null && break
-	sleep 0.1
-done
+start_compactproxy compactproxy "$port" \
+	BENCH_PPROF_ADDR="127.0.0.1:$pport" \
+	COMPACTPROXY_MODELS="$("$work/loadgen" -print-models)" \
+	COMPACTPROXY_COMPACTION_SUMMARIZER_URL="http://$summock/v1" \
+	COMPACTPROXY_COMPACTION_SUMMARIZER_MODEL=bench-summarizer
+cpid="$last_pid"
+wait_healthy "$port" "$cpid" || { log "compactproxy did not start: $(tail -c 300 "$work/compactproxy.log")"; exit 1; }
 
 # The agent scenarios measure against the mock too (direct).
 targets=compactproxy

@@ -50,33 +50,8 @@ if [ -n "${BENCH_PRESUMMARIZE_RATIO:-}" ]; then
 	presum=(COMPACTPROXY_COMPACTION_PRESUMMARIZE_RATIO="$BENCH_PRESUMMARIZE_RATIO")
 fi
 
-work="$(mktemp -d "${TMPDIR:-/tmp}/compactproxy-bench.XXXXXX")"
-pids=()
-cleanup() {
-	local pid
-	for pid in "${pids[@]}"; do
-		kill "$pid" 2>/dev/null || true
-	done
-	for pid in "${pids[@]}"; do
-		wait "$pid" 2>/dev/null || true
-	done
-	rm -rf "$work"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-log() { echo "bench: $*" >&2; }
-
-# wait_file FILE PID: wait up to 10 s for a process to write its address.
-wait_file() {
-	local i
-	for i in $(seq 1 200); do
-		[ -s "$1" ] && return 0
-		kill -0 "$2" 2>/dev/null || return 1
-		sleep 0.05
-	done
-	return 1
-}
+. bench/lib.sh
+bench_init bench bench
 
 log "building harness and compactproxy into $work"
 go build -o "$work/" ./bench/cmd/mockupstream ./bench/cmd/bareproxy ./bench/cmd/loadgen
@@ -88,55 +63,24 @@ elif ! CGO_ENABLED=0 go build -o "$work/compactproxy" ./cmd/compactproxy >"$work
 	log "$note"
 fi
 
-"$work/mockupstream" -latency "$latency" -addr-file "$work/mock.addr" >"$work/mock.log" 2>&1 &
-pids+=($!)
-wait_file "$work/mock.addr" "${pids[-1]}" || { log "mock upstream did not start:"; cat "$work/mock.log" >&2; exit 1; }
-mock="$(cat "$work/mock.addr")"
-
-"$work/mockupstream" -latency "$sumlatency" -addr-file "$work/summock.addr" >"$work/summock.log" 2>&1 &
-pids+=($!)
-wait_file "$work/summock.addr" "${pids[-1]}" || { log "summarizer mock did not start:"; cat "$work/summock.log" >&2; exit 1; }
-summock="$(cat "$work/summock.addr")"
-
-"$work/bareproxy" -upstream "http://$mock" -addr-file "$work/bare.addr" >"$work/bare.log" 2>&1 &
-bare_pid=$!
-pids+=("$bare_pid")
-wait_file "$work/bare.addr" "$bare_pid" || { log "bare proxy did not start:"; cat "$work/bare.log" >&2; exit 1; }
-bare="$(cat "$work/bare.addr")"
+start_addr mock mockupstream -latency "$latency"
+mock="$addr"
+start_addr summock mockupstream -latency "$sumlatency"
+summock="$addr"
+start_addr bare bareproxy -upstream "http://$mock"
+bare="$addr"
+bare_pid="$last_pid"
 
 compact_args=()
 if [ -z "$note" ]; then
 	port="$("$work/loadgen" -freeport)"
-	models="$("$work/loadgen" -print-models)"
-	# Env alone configures it (no config file: run from the work directory,
-	# and drop any COMPACTPROXY_* the caller has set).
-	unset_args=()
-	while IFS= read -r name; do unset_args+=(-u "$name"); done < <(env | sed -n 's/^\(COMPACTPROXY_[A-Za-z0-9_]*\)=.*/\1/p')
-	(
-		cd "$work"
-		exec env "${unset_args[@]}" \
-			COMPACTPROXY_LISTEN="127.0.0.1:$port" \
-			COMPACTPROXY_UPSTREAM_URL="http://$mock/v1" \
-			COMPACTPROXY_UPSTREAM_CONTEXT_WINDOW=1000000 \
-			COMPACTPROXY_MODELS="$models" \
-			COMPACTPROXY_COMPACTION_SUMMARIZER_URL="http://$summock/v1" \
-			COMPACTPROXY_COMPACTION_SUMMARIZER_MODEL=bench-summarizer \
-			"${presum[@]}" \
-			COMPACTPROXY_LOG_LEVEL=warn \
-			./compactproxy
-	) >"$work/compactproxy.log" 2>&1 &
-	compact_pid=$!
-	pids+=("$compact_pid")
-	healthy=""
-	for _ in $(seq 1 150); do
-		if ! kill -0 "$compact_pid" 2>/dev/null; then break; fi
-		if curl -fsS -o /dev/null --max-time 1 "http://127.0.0.1:$port/healthz" 2>/dev/null; then
-			healthy=1
-			break
-		fi
-		sleep 0.1
-	done
-	if [ -n "$healthy" ]; then
+	start_compactproxy compactproxy "$port" \
+		COMPACTPROXY_MODELS="$("$work/loadgen" -print-models)" \
+		COMPACTPROXY_COMPACTION_SUMMARIZER_URL="http://$summock/v1" \
+		COMPACTPROXY_COMPACTION_SUMMARIZER_MODEL=bench-summarizer \
+		"${presum[@]}"
+	compact_pid="$last_pid"
+	if wait_healthy "$port" "$compact_pid"; then
 		compact_args=(-compact "http://127.0.0.1:$port/v1" -compact-pid "$compact_pid")
 	else
 		note="compactproxy did not answer /healthz within 15s: $(tail -c 300 "$work/compactproxy.log" | tr '\n' ' ')"

@@ -40,27 +40,8 @@ mkdir -p "$(dirname "$out")"
 # one per stream of both phases.
 ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 
-work="$(mktemp -d "${TMPDIR:-/tmp}/compactproxy-soak.XXXXXX")"
-pids=()
-cleanup() {
-	local pid
-	for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-	for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
-	rm -rf "$work"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-log() { echo "soak: $*" >&2; }
-
-wait_file() {
-	local i
-	for i in $(seq 1 200); do
-		[ -s "$1" ] && return 0
-		kill -0 "$2" 2>/dev/null || return 1
-		sleep 0.05
-	done
-	return 1
-}
+. bench/lib.sh
+bench_init soak soak
 
 log "building into $work (ulimit -n $(ulimit -n))"
 go build -o "$work/" ./bench/cmd/mockupstream ./bench/cmd/soak ./bench/cmd/loadgen
@@ -68,30 +49,13 @@ CGO_ENABLED=0 go build -o "$work/compactproxy" ./cmd/compactproxy
 
 # The mock closes idle keep-alive connections after 5 s, so the proxy's
 # upstream pool drains and the end figures show what the proxy still holds.
-"$work/mockupstream" -latency 20ms -idle-timeout 5s -addr-file "$work/mock.addr" >"$work/mock.log" 2>&1 &
-pids+=($!)
-wait_file "$work/mock.addr" "${pids[-1]}" || { log "mock did not start"; cat "$work/mock.log" >&2; exit 1; }
-mock="$(cat "$work/mock.addr")"
+start_addr mock mockupstream -latency 20ms -idle-timeout 5s
+mock="$addr"
 
 port="$("$work/loadgen" -freeport)"
-unset_args=()
-while IFS= read -r name; do unset_args+=(-u "$name"); done < <(env | sed -n 's/^\(COMPACTPROXY_[A-Za-z0-9_]*\)=.*/\1/p')
-(
-	cd "$work"
-	exec env "${unset_args[@]}" \
-		COMPACTPROXY_LISTEN="127.0.0.1:$port" \
-		COMPACTPROXY_UPSTREAM_URL="http://$mock/v1" \
-		COMPACTPROXY_UPSTREAM_CONTEXT_WINDOW=1000000 \
-		COMPACTPROXY_LOG_LEVEL=warn \
-		./compactproxy
-) >"$work/compactproxy.log" 2>&1 &
-cpid=$!
-pids+=("$cpid")
-for _ in $(seq 1 150); do
-	curl -fsS -o /dev/null --max-time 1 "http://127.0.0.1:$port/healthz" 2>/dev/null && break
-	kill -0 "$cpid" 2>/dev/null || { log "compactproxy exited"; cat "$work/compactproxy.log" >&2; exit 1; }
-	sleep 0.1
-done
+start_compactproxy compactproxy "$port"
+cpid="$last_pid"
+wait_healthy "$port" "$cpid" || { log "compactproxy did not start:"; cat "$work/compactproxy.log" >&2; exit 1; }
 
 log "mock http://$mock  compactproxy http://127.0.0.1:$port (pid $cpid); $streams streams for $duration (rehearsal $rehearsal)"
 set +e

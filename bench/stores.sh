@@ -25,54 +25,30 @@ conversations="${BENCH_CONVERSATIONS:-same}"
 out="${BENCH_OUT:-$root/bench/results/stores}"
 
 command -v redis-server >/dev/null || { echo "bench: redis-server missing (scripts/redis-deps.sh)" >&2; exit 1; }
-work="$(mktemp -d "${TMPDIR:-/tmp}/compactproxy-stores.XXXXXX")"
-pids=()
-cleanup() {
-	local pid
-	for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-	for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
-	rm -rf "$work"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-log() { echo "bench: $*" >&2; }
+. bench/lib.sh
+bench_init stores bench
 
 go build -o "$work/" ./bench/cmd/mockupstream ./bench/cmd/loadgen
 CGO_ENABLED=0 go build -o "$work/compactproxy" ./cmd/compactproxy
 
-"$work/mockupstream" -latency "$latency" -addr-file "$work/mock.addr" >"$work/mock.log" 2>&1 &
-pids+=($!)
-for _ in $(seq 1 200); do [ -s "$work/mock.addr" ] && break; sleep 0.05; done
-mock="$(cat "$work/mock.addr")"
+start_addr mock mockupstream -latency "$latency"
+mock="$addr"
 
 rport="$("$work/loadgen" -freeport)"
 redis-server --port "$rport" --bind 127.0.0.1 --save '' --appendonly no --loglevel warning >"$work/redis.log" 2>&1 &
 pids+=($!)
 for _ in $(seq 1 100); do redis-cli -p "$rport" ping >/dev/null 2>&1 && break; sleep 0.05; done
 
-unset_args=()
-while IFS= read -r name; do unset_args+=(-u "$name"); done < <(env | sed -n 's/^\(COMPACTPROXY_[A-Za-z0-9_]*\)=.*/\1/p')
-# start_proxy NAME ENV...: prints the pid and the base URL.
+# start_proxy NAME ENV...: one compactproxy; sets url[NAME] and pid[NAME].
 declare -A url pid
 start_proxy() {
-	local name="$1"; shift
-	local port
+	local name="$1" port
+	shift
 	port="$("$work/loadgen" -freeport)"
-	(
-		cd "$work"
-		exec env "${unset_args[@]}" COMPACTPROXY_LISTEN="127.0.0.1:$port" \
-			COMPACTPROXY_UPSTREAM_URL="http://$mock/v1" COMPACTPROXY_UPSTREAM_CONTEXT_WINDOW=1000000 \
-			COMPACTPROXY_LOG_LEVEL=warn COMPACTPROXY_STORE_TENANT_SECRET=bench "$@" ./compactproxy
-	) >"$work/$name.log" 2>&1 &
-	pid[$name]=$!
-	pids+=($!)
+	start_compactproxy "$name" "$port" COMPACTPROXY_STORE_TENANT_SECRET=bench "$@"
+	pid[$name]="$last_pid"
 	url[$name]="http://127.0.0.1:$port/v1"
-	for _ in $(seq 1 150); do
-		curl -fsS -o /dev/null --max-time 1 "http://127.0.0.1:$port/healthz" 2>/dev/null && return 0
-		sleep 0.1
-	done
-	log "$name did not start: $(tail -c 300 "$work/$name.log")"
-	exit 1
+	wait_healthy "$port" "$last_pid" || { log "$name did not start: $(tail -c 300 "$work/$name.log")"; exit 1; }
 }
 start_proxy memory COMPACTPROXY_STORE_BACKEND=memory
 start_proxy redis COMPACTPROXY_STORE_BACKEND=redis COMPACTPROXY_STORE_REDIS_URL="redis://127.0.0.1:$rport/0"

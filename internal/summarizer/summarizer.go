@@ -267,12 +267,15 @@ func (c *Client) Summarize(ctx context.Context, req compaction.SummaryRequest) (
 }
 
 // prefixInstruction ends a prefix-shaped summarize request.
-const prefixInstruction = `Stop here; call no tool. Summarize the conversation so far (fold in any earlier summary) so the work can go on from the summary and the latest messages alone: ## Goal (the user's words) ## Decisions ## Files and key facts (exact paths, names) ## Commands and outcomes ## Open errors ## Next step. Only stated facts; exact identifiers. Answer with the summary only.`
+const prefixInstruction = `Stop here; call no tool. Summarize the conversation so far (fold in any earlier summary) so the work can go on from the summary and the latest messages alone: ` + summaryOutline
+
+// summaryOutline is how the prefix-shaped instructions ask for the summary.
+const summaryOutline = `## Goal (the user's words) ## Decisions ## Files and key facts (exact paths, names) ## Commands and outcomes ## Open errors ## Next step. Only stated facts; exact identifiers. Answer with the summary only.`
 
 // keptInstruction ends a prefix-shaped summarize request that also carries
 // the kept messages (a background summary): %d is how many of the latest
 // messages stay verbatim and are not to be summarized.
-const keptInstruction = `Stop here; call no tool. The last %d messages above stay in the context verbatim after your summary: do not summarize them. Summarize the conversation before them (fold in any earlier summary) so the work can go on from the summary and those messages alone: ## Goal (the user's words) ## Decisions ## Files and key facts (exact paths, names) ## Commands and outcomes ## Open errors ## Next step. Only stated facts; exact identifiers. Answer with the summary only.`
+const keptInstruction = `Stop here; call no tool. The last %d messages above stay in the context verbatim after your summary: do not summarize them. Summarize the conversation before them (fold in any earlier summary) so the work can go on from the summary and those messages alone: ` + summaryOutline
 
 // prefixBody returns the prefix-shaped request body, nil when that shape
 // does not apply (no Builder, no prefix, a prefix ending on a user message
