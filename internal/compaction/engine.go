@@ -774,7 +774,22 @@ func (r *run) applyPending(p *plan, base plan, headStart, cur int) (plan, int, b
 		next = "user"
 	}
 	s.Ack = next == "user"
-	q := plan{sum: &s, trims: map[int]int{}}
+	q := withSummary(base, &s)
+	e := r.est(r.view(q))
+	if e >= cur {
+		return plan{}, 0, false
+	}
+	r.st.Pending = nil
+	r.usedPending = true
+	r.st.Latched, r.st.LatchCount = false, 0
+	return q, e, true
+}
+
+// withSummary replaces the head of base by s under the trims after the
+// cut; the drops after the cut are kept, those in the head are covered by
+// it.
+func withSummary(base plan, s *Summary) plan {
+	q := plan{sum: s, trims: map[int]int{}}
 	for i, k := range base.trims {
 		if i >= s.Cut {
 			q.trims[i] = k
@@ -785,14 +800,7 @@ func (r *run) applyPending(p *plan, base plan, headStart, cur int) (plan, int, b
 			q.drops = append(q.drops, d)
 		}
 	}
-	e := r.est(r.view(q))
-	if e >= cur {
-		return plan{}, 0, false
-	}
-	r.st.Pending = nil
-	r.usedPending = true
-	r.st.Latched, r.st.LatchCount = false, 0
-	return q, e, true
+	return q
 }
 
 // minRoom is the least room a summary needs: summary_min_tokens, or the
@@ -879,22 +887,6 @@ func (r *run) prefixView(p plan, cut int) []chat.Message {
 // estimate of the resulting plan and whether a summary now applies.
 func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool) {
 	cfg := r.e.cfg
-	// withSummary replaces the head by s under the trims after the cut; the
-	// drops after the cut are kept, those in the head are covered by it.
-	withSummary := func(base plan, s *Summary) plan {
-		q := plan{sum: s, trims: map[int]int{}}
-		for i, k := range base.trims {
-			if i >= s.Cut {
-				q.trims[i] = k
-			}
-		}
-		for _, d := range base.drops {
-			if d.From >= s.Cut {
-				q.drops = append(q.drops, d)
-			}
-		}
-		return q
-	}
 	// measure sizes a summary with the verbatim tail from cut on: the
 	// summary's room is the target minus the view without the head
 	// (system messages, the summary's label, acknowledgement, ask, tail).
