@@ -149,6 +149,12 @@ type Input struct {
 	// sizing, and a summary is stored in State.Pending, not applied; the
 	// client's view is returned unchanged.
 	Presummarize bool
+	// SummaryInUpstreamTokens: the summarizer is the upstream's model, so
+	// its limit (the call's max tokens) counts the same tokens as the
+	// window. A summary asked for n tokens then takes at most n in the view,
+	// whatever the estimator's ratio (calibrated on the conversation: code
+	// and tool output) makes of its prose.
+	SummaryInUpstreamTokens bool
 	// Measured > 0 is the provider-measured size of this view (from an
 	// overflow error); it overrides the estimate of the client's view, and
 	// every candidate view's estimate is scaled up by the same ratio.
@@ -775,7 +781,7 @@ func (r *run) applyPending(p *plan, base plan, headStart, cur int) (plan, int, b
 	}
 	s.Ack = next == "user"
 	q := withSummary(base, &s)
-	e := r.est(r.view(q))
+	e := r.summaryEst(q)
 	if e >= cur {
 		return plan{}, 0, false
 	}
@@ -801,6 +807,24 @@ func withSummary(base plan, s *Summary) plan {
 		}
 	}
 	return q
+}
+
+// summaryEst estimates q, a plan whose summary is new: when the summary's
+// size in the upstream's tokens is bounded (Summary.Tokens), the view
+// without its text plus that bound, if that is less than the estimate of
+// its text. (The first response then measures the view exactly: later
+// requests are anchored.)
+func (r *run) summaryEst(q plan) int {
+	e := r.est(r.view(q))
+	if s := q.sum; s != nil && s.Tokens > 0 {
+		bare := *s
+		bare.Text = ""
+		q.sum = &bare
+		if b := r.est(r.view(q)) + s.Tokens; b < e {
+			return b
+		}
+	}
+	return e
 }
 
 // minRoom is the least room a summary needs: summary_min_tokens, or the
@@ -1014,8 +1038,11 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 	if err == nil {
 		s := *cand
 		s.Text = text
+		if r.in.SummaryInUpstreamTokens {
+			s.Tokens = limit
+		}
 		q := withSummary(base, &s)
-		e := r.est(r.view(q))
+		e := r.summaryEst(q)
 		if e < cur {
 			*p = q
 			r.newSum = true

@@ -151,6 +151,9 @@ type session struct {
 	last  Output
 	dry   bool
 	steps int
+	// exact: summaries come from the upstream's model
+	// (Input.SummaryInUpstreamTokens).
+	exact bool
 }
 
 func (s *session) step(msgs []chat.Message) Output {
@@ -158,6 +161,7 @@ func (s *session) step(msgs []chat.Message) Output {
 	out := s.e.Compact(context.Background(), Input{
 		Messages: msgs, Chain: chainOf(s.tb, msgs), State: s.st,
 		Window: s.win, Estimate: fakeEstimate, Summarize: !s.dry,
+		SummaryInUpstreamTokens: s.exact,
 	})
 	if out.StateChanged {
 		s.st = out.State

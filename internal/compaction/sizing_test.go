@@ -316,3 +316,56 @@ func TestSummaryMinCappedBySummaryTokens(t *testing.T) {
 		})
 	}
 }
+
+// A summary asked for n tokens of the upstream's own model takes at most n
+// of the window, however its prose estimates: the estimator's ratio is
+// calibrated on the conversation (code, tool output), and a model's
+// summary packs more text per token (llama-server's stories260K: 64 tokens
+// of summary estimated 87 in a 1,536-token budget at Qwen2.5 2k, so the
+// view landed over the budget and the turn was dropped after all). Here
+// the summarizer answers 6 bytes per token asked, 1.5x what the estimator
+// counts: with the bound no step drops; the same loop without it (a
+// summarizer of another model, whose tokens are not the window's) does.
+func TestSummaryBoundByItsLimit(t *testing.T) {
+	run := func(exact bool) (drops, calls int) {
+		cfg := baseConfig()
+		cfg.MinInterval = 0
+		cfg.ReserveTokens = 4096
+		cfg.TailRatio = 0.3
+		cfg.SummaryTokens = 64
+		cfg.SummaryMinTokens = 256
+		sum := &fakeSummarizer{}
+		sum.fn = func(call int, head []chat.Message, previous string) (string, error) {
+			sum.mu.Lock()
+			limit := sum.limits[len(sum.limits)-1]
+			sum.mu.Unlock()
+			return blob(fmt.Sprint("summary", call), 6*limit), nil
+		}
+		s := &session{tb: t, e: New(cfg, sum, newClock()), win: 2048, exact: exact}
+		conv := []msg{sysMsg(blob("tools", 3500)), userMsg(ask)}
+		for step := range 40 {
+			id := fmt.Sprintf("q%d", step)
+			conv = append(conv, callMsg("", id+`:read:{}`), toolMsg(id, blob(id, 1000+40*(step%5))))
+			msgs := parse(t, conv)
+			out := s.step(msgs)
+			checkView(t, msgs, out)
+			if slices.Contains(out.Events.NewActions, ActionDropped) {
+				drops++
+			}
+			if exact && out.Forwarded > out.Budget {
+				t.Fatalf("step %d: forwarded %d over the budget %d", step, out.Forwarded, out.Budget)
+			}
+		}
+		return drops, sum.Calls()
+	}
+	drops, calls := run(true)
+	if calls == 0 {
+		t.Fatal("no summary made")
+	}
+	if drops > 0 {
+		t.Errorf("%d of 40 steps dropped turns while the summarizer worked (%d summaries) and each summary was bounded by its limit", drops, calls)
+	}
+	if d, _ := run(false); d == 0 {
+		t.Errorf("without the bound no step dropped either: the loop does not make summaries that estimate over their room")
+	}
+}

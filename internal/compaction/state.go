@@ -73,6 +73,10 @@ type Summary struct {
 	Lead int
 	// Text is the summarizer's answer (what the next summarize folds).
 	Text string
+	// Tokens bounds Text in the upstream's tokens: the limit its
+	// summarize call was given when the summarizer is the upstream's model
+	// (Input.SummaryInUpstreamTokens); 0 when unknown.
+	Tokens int `json:",omitempty"`
 	// Ack is true when an assistant acknowledgement follows the summary
 	// message (the next message is a user message).
 	Ack bool

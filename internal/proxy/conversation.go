@@ -412,7 +412,7 @@ func (s *Server) compact(ctx context.Context, r *http.Request, cv *conversation,
 		s.metrics.CompactionErrors.Inc()
 		return estimateOnly(), 0
 	}
-	run := engineRun{cv: cv, view: view, chain: chain, window: window, maxTokens: maxTokens, o: o}
+	run := engineRun{cv: cv, view: view, chain: chain, window: window, maxTokens: maxTokens, model: model, o: o}
 	if !loaded {
 		// The state could not be read (the store is down or slow): no
 		// summary (it could be neither coordinated nor kept) and nothing
@@ -457,6 +457,7 @@ type engineRun struct {
 	chain     []anchor.Digest
 	window    int
 	maxTokens int
+	model     string
 	o         compactOptions
 }
 
@@ -477,6 +478,8 @@ func (s *Server) runEngine(ctx context.Context, run *engineRun, conv store.Conve
 		Estimate:       s.estimator(run.cv.memo, conv.Anchors, run.cv.identity),
 		Summarize:      summarize,
 		IgnoreThrottle: run.o.ignoreThrottle,
+
+		SummaryInUpstreamTokens: s.summaryInUpstreamTokens(run.model),
 	})
 }
 

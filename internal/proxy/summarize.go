@@ -167,14 +167,22 @@ func sourceOf(ctx context.Context) *chat.Request {
 // would shape the summary (OpenAI's, and llama-server's and vLLM's own
 // length and format fields), and the summary's own token limit. It also
 // counts every summarize answer's reported usage.
+// summaryInUpstreamTokens tells whether summaries for model are made by
+// the upstream's own model (the summarizer is the chat upstream, with no
+// other model configured): a summarize call's limit then bounds the
+// summary in the tokens the window counts.
+func (s *Server) summaryInUpstreamTokens(model string) bool {
+	sumModel := s.cfg.Compaction.Summarizer.Model
+	return s.summarizerIsUpstream && (sumModel == "" || sumModel == model)
+}
+
 func (s *Server) withSummarizeRequest(ctx context.Context, req *chat.Request) context.Context {
 	ctx = summarizer.WithUsageHook(ctx, func(u anchor.Usage) {
 		s.metrics.SummarizeInputTokens.WithLabelValues("uncached").Add(float64(u.Uncached))
 		s.metrics.SummarizeInputTokens.WithLabelValues("cache_read").Add(float64(u.CacheRead))
 		s.metrics.SummarizeInputTokens.WithLabelValues("cache_write").Add(float64(u.CacheWrite))
 	})
-	sumModel := s.cfg.Compaction.Summarizer.Model
-	if !s.summarizerIsUpstream || (sumModel != "" && sumModel != req.Model) {
+	if !s.summaryInUpstreamTokens(req.Model) {
 		return ctx
 	}
 	// The summarize runs detached from the request and may outlive its
@@ -423,7 +431,7 @@ func (s *Server) presummarize(ctx context.Context, r *http.Request, reqID string
 	s.flights.bg.Add(1)
 	go func() {
 		defer s.flights.bg.Done()
-		run := engineRun{cv: ocv, view: own, chain: chain, window: window, maxTokens: maxTokens,
+		run := engineRun{cv: ocv, view: own, chain: chain, window: window, maxTokens: maxTokens, model: model,
 			o: compactOptions{enabled: true, summarize: true, commit: true}}
 		conv, loaded := s.loadConversation(sctx, reqID, ocv.key)
 		if !loaded {
@@ -460,6 +468,8 @@ func (s *Server) presummarize(ctx context.Context, r *http.Request, reqID string
 			Window: window, MaxTokens: maxTokens,
 			Estimate:  s.estimator(ocv.memo, conv.Anchors, ocv.identity),
 			Summarize: true, Presummarize: true,
+
+			SummaryInUpstreamTokens: s.summaryInUpstreamTokens(model),
 		})
 		if out.Events.SummarizeCalled {
 			if out.Events.SummarizeOK {

@@ -32,6 +32,10 @@ const (
 	flagAskInline
 	flagAttempt
 	flagPending
+	// flagTokens: the summary (in the lineage flags) or the pending summary
+	// (in its own flags) is followed by its Tokens bound. A later bit, so
+	// values written before it still read.
+	flagTokens
 )
 
 // errCodec reports a value this version cannot read.
@@ -95,6 +99,9 @@ func encodeLineages(ls []compaction.Lineage) []byte {
 			if st.Summary.AskInline {
 				f |= flagAskInline
 			}
+			if st.Summary.Tokens > 0 {
+				f |= flagTokens
+			}
 		}
 		if len(st.Drops) > 0 {
 			f |= flagDrop
@@ -121,6 +128,9 @@ func encodeLineages(ls []compaction.Lineage) []byte {
 			b = binary.AppendVarint(b, int64(s.Ask))
 			b = binary.AppendUvarint(b, uint64(len(s.Text)))
 			b = append(b, s.Text...)
+			if s.Tokens > 0 {
+				b = binary.AppendUvarint(b, uint64(s.Tokens))
+			}
 		}
 		if ps := st.Pending; ps != nil {
 			var pf byte
@@ -130,6 +140,9 @@ func encodeLineages(ls []compaction.Lineage) []byte {
 			if ps.AskInline {
 				pf |= flagAskInline
 			}
+			if ps.Tokens > 0 {
+				pf |= flagTokens
+			}
 			b = append(b, pf)
 			b = binary.AppendUvarint(b, uint64(ps.Cut))
 			b = append(b, ps.Head[:]...)
@@ -137,6 +150,9 @@ func encodeLineages(ls []compaction.Lineage) []byte {
 			b = binary.AppendVarint(b, int64(ps.Ask))
 			b = binary.AppendUvarint(b, uint64(len(ps.Text)))
 			b = append(b, ps.Text...)
+			if ps.Tokens > 0 {
+				b = binary.AppendUvarint(b, uint64(ps.Tokens))
+			}
 		}
 		if len(st.Drops) > 0 {
 			b = binary.AppendUvarint(b, uint64(len(st.Drops)))
@@ -188,6 +204,9 @@ func decodeLineages(b []byte) ([]compaction.Lineage, error) {
 			s.Lead = int(r.uvarint())
 			s.Ask = int(r.varint())
 			s.Text = string(r.bytes(int(r.uvarint())))
+			if f&flagTokens != 0 {
+				s.Tokens = int(r.uvarint())
+			}
 			st.Summary = s
 		}
 		if f&flagPending != 0 {
@@ -198,6 +217,9 @@ func decodeLineages(b []byte) ([]compaction.Lineage, error) {
 			ps.Lead = int(r.uvarint())
 			ps.Ask = int(r.varint())
 			ps.Text = string(r.bytes(int(r.uvarint())))
+			if pf&flagTokens != 0 {
+				ps.Tokens = int(r.uvarint())
+			}
 			st.Pending = ps
 		}
 		if f&flagDrop != 0 {
