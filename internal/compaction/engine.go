@@ -809,6 +809,24 @@ func withSummary(base plan, s *Summary) plan {
 	return q
 }
 
+// summaryTokens estimates what the text of p's summary takes in its view
+// (0 without one): bounded by Summary.Tokens when that is known.
+func (r *run) summaryTokens(p plan) int {
+	s := p.sum
+	if s == nil {
+		return 0
+	}
+	bare := *s
+	bare.Text = ""
+	q := p
+	q.sum = &bare
+	t := r.est(r.view(p)) - r.est(r.view(q))
+	if s.Tokens > 0 && s.Tokens < t {
+		t = s.Tokens
+	}
+	return max(t, 0)
+}
+
 // summaryEst estimates q, a plan whose summary is new: when the summary's
 // size in the upstream's tokens is bounded (Summary.Tokens), the view
 // without its text plus that bound, if that is less than the estimate of
@@ -968,7 +986,22 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 				cut, cand, base, withoutHead, room = c, cc, cb, cw, cr
 			}
 		}
-		if cand == nil {
+		if room < cfg.minRoom() && final > headStart {
+			// No cut leaves a summary its least room: the fixed part, the
+			// ask and the final message's turn fill the budget (a two-read
+			// turn at Qwen2.5 2k). The drop would remove every turn before
+			// the final one and leave the view over the budget all the
+			// same. A new summary no larger than the one it replaces folds
+			// them instead: a view the drop's size, nothing lost.
+			if old := min(r.summaryTokens(*p), cfg.SummaryTokens); old >= cfg.minRoom() {
+				if final != cut || cand == nil {
+					cand, base, withoutHead, _ = measure(final)
+					cut = final
+				}
+				room = old
+			}
+		}
+		if cand == nil || room < cfg.minRoom() {
 			return cur, false
 		}
 		r.tail = cut

@@ -369,3 +369,55 @@ func TestSummaryBoundByItsLimit(t *testing.T) {
 		t.Errorf("without the bound no step dropped either: the loop does not make summaries that estimate over their room")
 	}
 }
+
+// A final turn that fills the budget with the fixed part and the ask (a
+// two-read turn at a 2k window with a tools array) leaves no cut where a
+// summary has its least room. Dropping the older turns leaves the view over
+// the budget all the same; a new summary the size of the one it replaces
+// folds them instead: no drop, and the view no larger than the drop's.
+func TestFinalTurnOverBudgetSummarizes(t *testing.T) {
+	cfg := baseConfig()
+	cfg.MinInterval = 0
+	cfg.ReserveTokens = 4096
+	cfg.TailRatio = 0.3
+	cfg.SummaryTokens = 64
+	cfg.SummaryMinTokens = 256
+	sum := &fakeSummarizer{}
+	sum.fn = func(call int, head []chat.Message, previous string) (string, error) {
+		sum.mu.Lock()
+		limit := sum.limits[len(sum.limits)-1]
+		sum.mu.Unlock()
+		return blob(fmt.Sprint("summary", call), 4*limit), nil
+	}
+	s := &session{tb: t, e: New(cfg, sum, newClock()), win: 2048}
+	conv := []msg{sysMsg(blob("tools", 3500)), userMsg(ask)}
+	for step := range 8 {
+		id := fmt.Sprintf("q%d", step)
+		conv = append(conv, callMsg("", id+`:read:{}`), toolMsg(id, blob(id, 600)))
+		msgs := parse(t, conv)
+		checkView(t, msgs, s.step(msgs))
+	}
+	if sum.Calls() == 0 {
+		t.Fatal("no summary before the large turn: the setup does not compact")
+	}
+	calls := sum.Calls()
+	conv = append(conv, callMsg("", `r1:read:{}`, `r2:read:{}`), toolMsg("r1", blob("r1", 1300)), toolMsg("r2", blob("r2", 1300)))
+	msgs := parse(t, conv)
+	out := s.step(msgs)
+	checkView(t, msgs, out)
+	if slices.Contains(out.Events.NewActions, ActionDropped) {
+		t.Fatalf("dropped turns while the summarizer works (actions %v, forwarded %d, budget %d)", out.Events.NewActions, out.Forwarded, out.Budget)
+	}
+	if sum.Calls() != calls+1 || out.Action != ActionSummarized {
+		t.Fatalf("action %s after %d summarize calls, want a new summary", out.Action, sum.Calls()-calls)
+	}
+	// The final turn stays: its call verbatim, its older result at least
+	// as an excerpt (DESIGN step 2 excerpts the tail's older results when
+	// the room is short), its final result verbatim (checkView).
+	if got := out.Messages[len(out.Messages)-3]; string(got.Raw) != string(msgs[len(msgs)-3].Raw) {
+		t.Fatalf("the final turn's call is not in the view verbatim: %s", roles(out.Messages))
+	}
+	if limit := sum.limits[len(sum.limits)-1]; limit > cfg.SummaryTokens || limit < cfg.SummaryTokens/2 {
+		t.Fatalf("the summary was asked for %d tokens, want the replaced summary's size (<= %d)", limit, cfg.SummaryTokens)
+	}
+}
