@@ -317,6 +317,31 @@ func TestSummaryMinCappedBySummaryTokens(t *testing.T) {
 	}
 }
 
+// smallSummaryConfig is a small window's: summaries of at most 64 tokens,
+// the default summary_min_tokens, reserve capped at a quarter.
+func smallSummaryConfig() Config {
+	cfg := baseConfig()
+	cfg.MinInterval = 0
+	cfg.ReserveTokens = 4096
+	cfg.TailRatio = 0.3
+	cfg.SummaryTokens = 64
+	cfg.SummaryMinTokens = 256
+	return cfg
+}
+
+// sizedSummarizer answers bytesPerToken bytes for each token it is asked
+// for (fakeEstimate counts 4 bytes a token).
+func sizedSummarizer(bytesPerToken int) *fakeSummarizer {
+	sum := &fakeSummarizer{}
+	sum.fn = func(call int, head []chat.Message, previous string) (string, error) {
+		sum.mu.Lock()
+		limit := sum.limits[len(sum.limits)-1]
+		sum.mu.Unlock()
+		return blob(fmt.Sprint("summary", call), bytesPerToken*limit), nil
+	}
+	return sum
+}
+
 // A summary asked for n tokens of the upstream's own model takes at most n
 // of the window, however its prose estimates: the estimator's ratio is
 // calibrated on the conversation (code, tool output), and a model's
@@ -328,19 +353,8 @@ func TestSummaryMinCappedBySummaryTokens(t *testing.T) {
 // summarizer of another model, whose tokens are not the window's) does.
 func TestSummaryBoundByItsLimit(t *testing.T) {
 	run := func(exact bool) (drops, calls int) {
-		cfg := baseConfig()
-		cfg.MinInterval = 0
-		cfg.ReserveTokens = 4096
-		cfg.TailRatio = 0.3
-		cfg.SummaryTokens = 64
-		cfg.SummaryMinTokens = 256
-		sum := &fakeSummarizer{}
-		sum.fn = func(call int, head []chat.Message, previous string) (string, error) {
-			sum.mu.Lock()
-			limit := sum.limits[len(sum.limits)-1]
-			sum.mu.Unlock()
-			return blob(fmt.Sprint("summary", call), 6*limit), nil
-		}
+		cfg := smallSummaryConfig()
+		sum := sizedSummarizer(6)
 		s := &session{tb: t, e: New(cfg, sum, newClock()), win: 2048, exact: exact}
 		conv := []msg{sysMsg(blob("tools", 3500)), userMsg(ask)}
 		for step := range 40 {
@@ -376,19 +390,8 @@ func TestSummaryBoundByItsLimit(t *testing.T) {
 // the budget all the same; a new summary the size of the one it replaces
 // folds them instead: no drop, and the view no larger than the drop's.
 func TestFinalTurnOverBudgetSummarizes(t *testing.T) {
-	cfg := baseConfig()
-	cfg.MinInterval = 0
-	cfg.ReserveTokens = 4096
-	cfg.TailRatio = 0.3
-	cfg.SummaryTokens = 64
-	cfg.SummaryMinTokens = 256
-	sum := &fakeSummarizer{}
-	sum.fn = func(call int, head []chat.Message, previous string) (string, error) {
-		sum.mu.Lock()
-		limit := sum.limits[len(sum.limits)-1]
-		sum.mu.Unlock()
-		return blob(fmt.Sprint("summary", call), 4*limit), nil
-	}
+	cfg := smallSummaryConfig()
+	sum := sizedSummarizer(4)
 	s := &session{tb: t, e: New(cfg, sum, newClock()), win: 2048}
 	conv := []msg{sysMsg(blob("tools", 3500)), userMsg(ask)}
 	for step := range 8 {
