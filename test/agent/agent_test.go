@@ -562,13 +562,43 @@ func maxPrompt(ups []upstreamReq) int {
 	return m
 }
 
+// runFigures are a run's sums over the agent's requests after the first
+// (the first has nothing to reuse): prompt and cached tokens as the mock
+// reported them, and what the agent appended since its previous request,
+// at the mock's rate. The mean estimate errors are over anchored
+// uncompacted requests and over compacted ones.
+type runFigures struct {
+	Prompt, Cached, Appended  int
+	AnchoredErr, CompactedErr float64
+	AnchoredN, CompactedN     int
+}
+
+// cacheReuse is Σcached ÷ Σprompt; NaN without requests.
+func (f runFigures) cacheReuse() float64 { return ratio(f.Cached, f.Prompt) }
+
+// ceiling is Σ(prompt − appended) ÷ Σprompt: what any proxy could have
+// served from the cache, given what the agent appended.
+func (f runFigures) ceiling() float64 { return ratio(f.Prompt-f.Appended, f.Prompt) }
+
+// efficiency is Σcached ÷ Σ(prompt − appended): the share of the ceiling
+// reached.
+func (f runFigures) efficiency() float64 { return ratio(f.Cached, f.Prompt-f.Appended) }
+
+func ratio(a, b int) float64 {
+	if b <= 0 {
+		return math.NaN()
+	}
+	return float64(a) / float64(b)
+}
+
 // logTable logs one line per agent request and one per summarize call,
-// then the estimate's error and the cache reuse over the run.
-func logTable(t *testing.T, turns []turn, byTurn map[int][]upstreamReq, summarizes []upstreamReq) {
+// then the estimate's error and the cache reuse over the run, and returns
+// those figures.
+func logTable(t *testing.T, turns []turn, byTurn map[int][]upstreamReq, summarizes []upstreamReq) runFigures {
 	t.Helper()
 	t.Logf("%4s %6s %7s %-10s %6s %-22s %-13s %9s %9s %7s %6s", "turn", "status", "msgs", "action", "maxtok", "field", "ctx(src)", "fwd-est", "reported", "err%", "tries")
 	var anchoredErr, freshErr []float64
-	sumPrompt, sumCached, sumAppended := 0, 0, 0
+	var f runFigures
 	prevBody := -1
 	for _, tr := range turns {
 		sent, _ := chat.Parse(tr.Body)
@@ -585,12 +615,12 @@ func logTable(t *testing.T, turns []turn, byTurn map[int][]upstreamReq, summariz
 			}
 			reported, fieldName = u.Prompt, fmt.Sprintf("%s=%d", u.MaxField, u.MaxTokens)
 			if tr.N > 0 {
-				sumPrompt += u.Prompt
-				sumCached += u.Cached
+				f.Prompt += u.Prompt
+				f.Cached += u.Cached
 				if prevBody >= 0 {
 					// What the agent appended since its previous request, at
 					// the mock's rate: evaluated however the proxy compacts.
-					sumAppended += min(max(int(float64(len(tr.Body)-prevBody)/bytesPerToken), 0), u.Prompt)
+					f.Appended += min(max(int(float64(len(tr.Body)-prevBody)/bytesPerToken), 0), u.Prompt)
 				}
 			}
 		}
@@ -620,15 +650,18 @@ func logTable(t *testing.T, turns []turn, byTurn map[int][]upstreamReq, summariz
 		t.Logf("summarize call: status %d, %d messages, %d tokens reported (window %d), %s=%d, stream %v",
 			s.Status, n, s.Prompt, window, s.MaxField, s.MaxTokens, s.Stream)
 	}
+	f.AnchoredErr, f.AnchoredN = mean(anchoredErr), len(anchoredErr)
+	f.CompactedErr, f.CompactedN = mean(freshErr), len(freshErr)
 	t.Logf("estimate error |fwd-est − reported| ÷ reported: anchored uncompacted requests mean %.1f%% (n=%d); compacted requests mean %.1f%% (n=%d)",
-		mean(anchoredErr), len(anchoredErr), mean(freshErr), len(freshErr))
-	if sumPrompt > 0 {
-		t.Logf("cache reuse after the first request: Σcached ÷ Σprompt = %d ÷ %d = %.2f", sumCached, sumPrompt, float64(sumCached)/float64(sumPrompt))
-		if reusable := sumPrompt - sumAppended; reusable > 0 {
+		f.AnchoredErr, f.AnchoredN, f.CompactedErr, f.CompactedN)
+	if f.Prompt > 0 {
+		t.Logf("cache reuse after the first request: Σcached ÷ Σprompt = %d ÷ %d = %.2f", f.Cached, f.Prompt, f.cacheReuse())
+		if f.Prompt-f.Appended > 0 {
 			t.Logf("  ceiling Σ(prompt − appended) ÷ Σprompt = %.2f (the agent appended %d tokens); efficiency Σcached ÷ Σ(prompt − appended) = %.2f",
-				float64(reusable)/float64(sumPrompt), sumAppended, float64(sumCached)/float64(reusable))
+				f.ceiling(), f.Appended, f.efficiency())
 		}
 	}
+	return f
 }
 
 func mean(xs []float64) float64 {
