@@ -320,6 +320,17 @@ func TestRealAgentThroughCompactproxy(t *testing.T) {
 		if maxPrompt(ups) <= window {
 			t.Errorf("the conversation reaches only %d tokens: it would fit the %d window uncompacted", maxPrompt(ups), window)
 		}
+		// The mock's cache model (renderPrompt) checked on the reference:
+		// every request of a conversation nothing compacts extends the
+		// previous one, so all of it but what was appended is cached.
+		byTurn := map[int][]upstreamReq{}
+		for _, u := range ups {
+			byTurn[u.Turn] = append(byTurn[u.Turn], u)
+		}
+		if f := logTable(t, turns, byTurn, nil); !(f.efficiency() >= 0.95) {
+			t.Errorf("without compaction the mock reports %.2f of the cacheable prefix cached (Σcached %d ÷ Σ(prompt − appended) %d), want >= 0.95: its cache model is broken",
+				f.efficiency(), f.Cached, f.Prompt-f.Appended)
+		}
 	})
 	if !ok {
 		t.Fatal("the agent fails against the mock without compactproxy: fix the agent's setup or the mock before blaming the proxy")
