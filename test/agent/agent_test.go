@@ -51,15 +51,42 @@ const (
 	// window is the mock model's context window, the one compactproxy is
 	// told (upstream.context_window). pi's fixed part (system prompt +
 	// four tool schemas, ~5.5 KB) counts ~3,700 tokens at the mock's rate,
-	// under a quarter of it; the project's files add ~28,000.
-	window = 16384
-	// fileCount files of at least fileBytes each make the project.
-	fileCount = 10
-	fileBytes = 4000
+	// under a quarter of it; the workloads' files add the rest.
+	window    = 16384
 	apiKey    = "sk-agent-e2e-0123456789-not-a-real-key"
 	task      = "Review every Go file in this project for unsafe retries: list the files, read each one, then report."
 	finalText = "REVIEW-COMPLETE: every file was read; no unsafe retries found."
 )
+
+// workload is the agent's task over a generated project: fileCount Go files
+// of at least fileBytes each, which the mock's script has the agent list
+// and then read one per step, except files pairAt and pairAt+1 (0-based),
+// read in one parallel turn.
+type workload struct {
+	name      string
+	fileCount int
+	fileBytes int
+	pairAt    int
+}
+
+// scriptSteps is how many distinct steps the mock answers when the agent
+// gets through the task: ls, one per file but the pair, the final answer.
+func (wl workload) scriptSteps() int {
+	reads := wl.fileCount
+	if wl.pairAt >= 0 && wl.pairAt+1 < wl.fileCount {
+		reads--
+	}
+	return 1 + reads + 1
+}
+
+// workloads are the projects the agent works through.
+var workloads = []workload{
+	// Ten files of ~4 KB: every read is ~2,700 tokens at the mock's rate,
+	// a third of the room compactproxy leaves the conversation (window −
+	// reserved output − the fixed part, ~8,600), so nearly every step
+	// needs a new summary.
+	{name: "large_reads", fileCount: 10, fileBytes: 4000, pairAt: 2},
+}
 
 // turn is one chat request of the agent as the recorder saw it.
 type turn struct {
@@ -134,17 +161,17 @@ func (rec *recorder) snapshot() ([]turn, []string) {
 	return append([]turn(nil), rec.turns...), append([]string(nil), rec.others...)
 }
 
-// writeProject creates fileCount Go files of at least fileBytes each; every
-// file carries a marker line of its own.
-func writeProject(t *testing.T) (string, []projectFile) {
+// writeProject creates the workload's fileCount Go files of at least
+// fileBytes each; every file carries a marker line of its own.
+func writeProject(t *testing.T, wl workload) (string, []projectFile) {
 	t.Helper()
 	dir := t.TempDir()
 	var files []projectFile
-	for i := 1; i <= fileCount; i++ {
+	for i := 1; i <= wl.fileCount; i++ {
 		f := projectFile{Name: fmt.Sprintf("retry%02d.go", i), Marker: fmt.Sprintf("agent-e2e-marker-%02d-%08x", i, uint32(i)*2654435761)}
 		var b strings.Builder
 		fmt.Fprintf(&b, "// Package review is a test project for compactproxy's real-agent test.\npackage review\n\n// %s\n\nimport (\n\t\"errors\"\n\t\"time\"\n)\n\n", f.Marker)
-		for k := 0; b.Len() < fileBytes; k++ {
+		for k := 0; b.Len() < wl.fileBytes; k++ {
 			fmt.Fprintf(&b, `// Retry%[1]d_%[2]d calls op until it succeeds, at most %[3]d times,
 // sleeping a little longer after each failure.
 func Retry%[1]d_%[2]d(op func() error) error {
@@ -288,12 +315,18 @@ func TestRealAgentThroughCompactproxy(t *testing.T) {
 	ensureAgentDeps(t, root)
 	bin := buildBinary(t, root)
 
+	for _, wl := range workloads {
+		t.Run(wl.name, func(t *testing.T) { testWorkload(t, root, bin, wl) })
+	}
+}
+
+func testWorkload(t *testing.T, root, bin string, wl workload) {
 	// The agent straight at the mock (through the recorder, which numbers
 	// its requests), with a window nothing overflows: the reference that
 	// the agent, its config and the script work without compactproxy.
 	ok := t.Run("reference_without_proxy", func(t *testing.T) {
-		project, files := writeProject(t)
-		mock := newMockModel(t, 1<<20, task, finalText, files)
+		project, files := writeProject(t, wl)
+		mock := newMockModel(t, 1<<20, task, finalText, wl.pairAt, files)
 		rec := newRecorder(t, mock.srv.URL)
 		run := runAgent(t, root, project, rec.srv.URL+"/v1", window/2, "max_completion_tokens")
 		turns, _ := rec.snapshot()
@@ -348,13 +381,13 @@ func TestRealAgentThroughCompactproxy(t *testing.T) {
 		// to a 32k model: reserved output is still capped at a quarter.
 		{"max_tokens_whole_window", window, "max_tokens"},
 	} {
-		t.Run(tc.name, func(t *testing.T) { testAgent(t, root, bin, tc.maxTokens, tc.maxField) })
+		t.Run(tc.name, func(t *testing.T) { testAgent(t, root, bin, wl, tc.maxTokens, tc.maxField) })
 	}
 }
 
-func testAgent(t *testing.T, root, bin string, maxTokens int, maxField string) {
-	project, files := writeProject(t)
-	mock := newMockModel(t, window, task, finalText, files)
+func testAgent(t *testing.T, root, bin string, wl workload, maxTokens int, maxField string) {
+	project, files := writeProject(t, wl)
+	mock := newMockModel(t, window, task, finalText, wl.pairAt, files)
 	proxy := startProxy(t, bin, mock.baseURL(),
 		"COMPACTPROXY_UPSTREAM_CONTEXT_WINDOW="+strconv.Itoa(window),
 	)
@@ -411,8 +444,8 @@ func testAgent(t *testing.T, root, bin string, maxTokens int, maxField string) {
 				steps[u.Step] = true
 			}
 		}
-		// ls + 9 read steps (two files in one) + the final answer.
-		if want := fileCount + 1; len(steps) < want {
+		// ls + one read step per file (two files in one) + the final answer.
+		if want := wl.scriptSteps(); len(steps) < want {
 			t.Errorf("the mock answered %d distinct script steps, want %d: the agent did not get through its task", len(steps), want)
 		}
 	})

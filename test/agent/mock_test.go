@@ -73,6 +73,7 @@ type mockModel struct {
 	window    int
 	prompt    string // the agent's task, the conversation's first user message
 	finalText string
+	pairAt    int // files pairAt and pairAt+1 are read in one parallel turn
 	files     []projectFile
 	srv       *httptest.Server
 
@@ -83,9 +84,9 @@ type mockModel struct {
 	otherReqs  []string // non-chat requests: "GET /v1/models"
 }
 
-func newMockModel(t *testing.T, window int, prompt, finalText string, files []projectFile) *mockModel {
+func newMockModel(t *testing.T, window int, prompt, finalText string, pairAt int, files []projectFile) *mockModel {
 	t.Helper()
-	m := &mockModel{window: window, prompt: prompt, finalText: finalText, files: files, prevPrompt: map[bool][]byte{}}
+	m := &mockModel{window: window, prompt: prompt, finalText: finalText, pairAt: pairAt, files: files, prevPrompt: map[bool][]byte{}}
 	m.srv = httptest.NewServer(http.HandlerFunc(m.serve))
 	t.Cleanup(m.srv.Close)
 	return m
@@ -154,7 +155,8 @@ func pairingOf(body []byte) ([]pairing.Violation, error) {
 
 // script is the agent's task in tool calls, named from the tools the
 // request declares: step 0 lists the project (when a shell tool is
-// declared), then one read per step, files 2 and 3 in one parallel turn.
+// declared), then one read per step, files pairAt and pairAt+1 in one
+// parallel turn.
 // A step without calls is the final answer.
 func (m *mockModel) script(v *mockView) ([][]scriptCall, error) {
 	var read, shell string
@@ -182,7 +184,7 @@ func (m *mockModel) script(v *mockView) ([][]scriptCall, error) {
 			args, _ := json.Marshal(map[string]string{"path": f.Name})
 			return scriptCall{Tool: read, Args: string(args), Expect: f.Marker}
 		}
-		if i == 2 && i+1 < len(m.files) {
+		if i == m.pairAt && i+1 < len(m.files) {
 			steps = append(steps, []scriptCall{call(m.files[i]), call(m.files[i+1])})
 			i++
 			continue
