@@ -612,7 +612,13 @@ func maxPrompt(ups []upstreamReq) int {
 // at the mock's rate. The mean estimate errors are over anchored
 // uncompacted requests and over compacted ones.
 type runFigures struct {
-	Prompt, Cached, Appended  int
+	Prompt, Cached, Appended int
+	// Appends is how many requests Appended sums over; Room is the room
+	// compactproxy leaves the conversation: its budget (three quarters of
+	// the window: reserve_tokens 4096 is a quarter of it, and a request's
+	// max tokens count at most a quarter) less the fixed part (system
+	// message and tools), at the mock's rate.
+	Appends, Room             int
 	AnchoredErr, CompactedErr float64
 	AnchoredN, CompactedN     int
 }
@@ -640,9 +646,15 @@ func ratio(a, b int) float64 {
 // those figures.
 func logTable(t *testing.T, turns []turn, byTurn map[int][]upstreamReq, summarizes []upstreamReq) runFigures {
 	t.Helper()
-	t.Logf("%4s %6s %7s %-10s %6s %-22s %-13s %9s %9s %7s %6s", "turn", "status", "msgs", "action", "maxtok", "field", "ctx(src)", "fwd-est", "reported", "err%", "tries")
+	t.Logf("%4s %6s %7s %-10s %6s %-22s %-13s %9s %9s %7s %7s %6s", "turn", "status", "msgs", "action", "maxtok", "field", "ctx(src)", "fwd-est", "reported", "err%", "cached", "tries")
 	var anchoredErr, freshErr []float64
 	var f runFigures
+	if len(turns) > 0 {
+		if first, err := chat.Parse(turns[0].Body); err == nil && len(first.Messages) > 0 {
+			fixed := int(float64(len(first.Messages[0].Raw)+len(field(first, "tools"))) / bytesPerToken)
+			f.Room = window - window/4 - fixed
+		}
+	}
 	prevBody := -1
 	for _, tr := range turns {
 		sent, _ := chat.Parse(tr.Body)
@@ -651,13 +663,13 @@ func logTable(t *testing.T, turns []turn, byTurn map[int][]upstreamReq, summariz
 			in, maxTok = len(sent.Messages), sent.MaxTokens
 		}
 		ups := byTurn[tr.N]
-		out, reported, fieldName := -1, -1, ""
+		out, reported, cached, fieldName := -1, -1, -1, ""
 		if len(ups) > 0 {
 			u := ups[len(ups)-1]
 			if got, err := chat.Parse(u.Body); err == nil {
 				out = len(got.Messages)
 			}
-			reported, fieldName = u.Prompt, fmt.Sprintf("%s=%d", u.MaxField, u.MaxTokens)
+			reported, cached, fieldName = u.Prompt, u.Cached, fmt.Sprintf("%s=%d", u.MaxField, u.MaxTokens)
 			if tr.N > 0 {
 				f.Prompt += u.Prompt
 				f.Cached += u.Cached
@@ -665,6 +677,7 @@ func logTable(t *testing.T, turns []turn, byTurn map[int][]upstreamReq, summariz
 					// What the agent appended since its previous request, at
 					// the mock's rate: evaluated however the proxy compacts.
 					f.Appended += min(max(int(float64(len(tr.Body)-prevBody)/bytesPerToken), 0), u.Prompt)
+					f.Appends++
 				}
 			}
 		}
@@ -682,8 +695,8 @@ func logTable(t *testing.T, turns []turn, byTurn map[int][]upstreamReq, summariz
 				freshErr = append(freshErr, math.Abs(errPct))
 			}
 		}
-		t.Logf("%4d %6d %3d→%-3d %-10s %6d %-22s %-13s %9d %9d %7.1f %6d",
-			tr.N, tr.Status, in, out, action, maxTok, fieldName, fmt.Sprintf("%d(%s)", ctxTok, src), fwd, reported, errPct, len(ups))
+		t.Logf("%4d %6d %3d→%-3d %-10s %6d %-22s %-13s %9d %9d %7.1f %7d %6d",
+			tr.N, tr.Status, in, out, action, maxTok, fieldName, fmt.Sprintf("%d(%s)", ctxTok, src), fwd, reported, errPct, cached, len(ups))
 	}
 	for _, s := range summarizes {
 		cr, _ := chat.Parse(s.Body)
@@ -704,6 +717,10 @@ func logTable(t *testing.T, turns []turn, byTurn map[int][]upstreamReq, summariz
 			t.Logf("  ceiling Σ(prompt − appended) ÷ Σprompt = %.2f (the agent appended %d tokens); efficiency Σcached ÷ Σ(prompt − appended) = %.2f",
 				f.ceiling(), f.Appended, f.efficiency())
 		}
+	}
+	if f.Appends > 0 && f.Room > 0 {
+		per := f.Appended / f.Appends
+		t.Logf("  the agent appended %d tokens per request on average, %.1f%% of the room (%d tokens)", per, 100*float64(per)/float64(f.Room), f.Room)
 	}
 	return f
 }
