@@ -5,6 +5,9 @@
 // with its own tools until the conversation outgrows the model's small
 // window, so compactproxy must compact a real agent's traffic: its real
 // system prompt, its real tool schemas, its streaming and its max tokens.
+// It runs two workloads (see workloads): large_reads, where every read is
+// over a third of the room, and paced_reads, where a read is ~6% of it and
+// the cache reuse is asserted.
 //
 // Topology, all on 127.0.0.1:
 //
@@ -322,6 +325,8 @@ func headerInt(h http.Header, name string) int {
 // and compaction happened with the newest tool result verbatim. The agent
 // sends max_tokens of at least a quarter of the window (real agents send
 // their model's full output limit), which must not switch compaction off.
+// Where a workload sets minCacheReuse, the prompt tokens the mock reports
+// cached must reach it.
 func TestRealAgentThroughCompactproxy(t *testing.T) {
 	if testing.Short() {
 		t.Skip("real-agent end-to-end test: skipped with -short")
@@ -335,6 +340,8 @@ func TestRealAgentThroughCompactproxy(t *testing.T) {
 	}
 }
 
+// testWorkload runs the agent over wl's project without compactproxy, then
+// through it with each of the two max-tokens settings.
 func testWorkload(t *testing.T, root, bin string, wl workload) {
 	// The agent straight at the mock (through the recorder, which numbers
 	// its requests), with a window nothing overflows: the reference that
