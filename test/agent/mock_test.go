@@ -51,7 +51,7 @@ type upstreamReq struct {
 	Body      []byte
 	Status    int
 	Prompt    int // prompt_tokens the mock counted (and reported when 200)
-	Cached    int // cached_tokens reported: the prefix shared with the previous request of its kind
+	Cached    int // cached_tokens reported: the rendered prompt's prefix shared with the previous request of its kind (renderPrompt)
 	MaxTokens int
 	MaxField  string // "max_tokens", "max_completion_tokens" or ""
 	Step      int    // the script step answered; -1 for summarize calls and errors
@@ -73,19 +73,20 @@ type mockModel struct {
 	window    int
 	prompt    string // the agent's task, the conversation's first user message
 	finalText string
+	pairAt    int // files pairAt and pairAt+1 are read in one parallel turn
 	files     []projectFile
 	srv       *httptest.Server
 
-	mu        sync.Mutex
-	reqs      []upstreamReq
-	prevBody  map[bool][]byte // previous body per kind (summarize or not), for cached_tokens
-	seq       int
-	otherReqs []string // non-chat requests: "GET /v1/models"
+	mu         sync.Mutex
+	reqs       []upstreamReq
+	prevPrompt map[bool][]byte // previous rendered prompt per kind (summarize or not), for cached_tokens
+	seq        int
+	otherReqs  []string // non-chat requests: "GET /v1/models"
 }
 
-func newMockModel(t *testing.T, window int, prompt, finalText string, files []projectFile) *mockModel {
+func newMockModel(t *testing.T, window int, prompt, finalText string, pairAt int, files []projectFile) *mockModel {
 	t.Helper()
-	m := &mockModel{window: window, prompt: prompt, finalText: finalText, files: files, prevBody: map[bool][]byte{}}
+	m := &mockModel{window: window, prompt: prompt, finalText: finalText, pairAt: pairAt, files: files, prevPrompt: map[bool][]byte{}}
 	m.srv = httptest.NewServer(http.HandlerFunc(m.serve))
 	t.Cleanup(m.srv.Close)
 	return m
@@ -154,7 +155,8 @@ func pairingOf(body []byte) ([]pairing.Violation, error) {
 
 // script is the agent's task in tool calls, named from the tools the
 // request declares: step 0 lists the project (when a shell tool is
-// declared), then one read per step, files 2 and 3 in one parallel turn.
+// declared), then one read per step, files pairAt and pairAt+1 in one
+// parallel turn.
 // A step without calls is the final answer.
 func (m *mockModel) script(v *mockView) ([][]scriptCall, error) {
 	var read, shell string
@@ -182,7 +184,7 @@ func (m *mockModel) script(v *mockView) ([][]scriptCall, error) {
 			args, _ := json.Marshal(map[string]string{"path": f.Name})
 			return scriptCall{Tool: read, Args: string(args), Expect: f.Marker}
 		}
-		if i == 2 && i+1 < len(m.files) {
+		if i == m.pairAt && i+1 < len(m.files) {
 			steps = append(steps, []scriptCall{call(m.files[i]), call(m.files[i+1])})
 			i++
 			continue
@@ -190,6 +192,34 @@ func (m *mockModel) script(v *mockView) ([][]scriptCall, error) {
 		steps = append(steps, []scriptCall{call(m.files[i])})
 	}
 	return append(steps, nil), nil
+}
+
+// renderPrompt is the prompt as the mock's prefix cache sees it: the tools
+// array's raw bytes first, then every message's raw bytes in order, each
+// piece followed by a NUL (which valid JSON never holds, so a piece cannot
+// run into the next). Providers render the tools before the conversation:
+// llama.cpp's chat templates put them in the system turn, and OpenAI's
+// prompt caching counts the tools as part of the cached prefix. The JSON
+// body's own field order does not matter to them, and pi writes "messages"
+// before "tools", so a common prefix of the raw bodies would lose the tools
+// (~2,000 tokens here) whenever compaction changes a message. Whether the
+// system message goes before or after the tools makes no difference: the
+// proxy forwards both unchanged. The other fields (model, stream, max
+// tokens) are not part of a rendered prompt. A body internal/chat cannot
+// parse is rendered as itself.
+func renderPrompt(body []byte) []byte {
+	cr, err := chat.Parse(body)
+	if err != nil {
+		return body
+	}
+	var b bytes.Buffer
+	b.Write(field(cr, "tools"))
+	b.WriteByte(0)
+	for _, msg := range cr.Messages {
+		b.Write(msg.Raw)
+		b.WriteByte(0)
+	}
+	return b.Bytes()
 }
 
 func callID(step, k int) string { return fmt.Sprintf("call_s%d_%d", step, k) }
@@ -244,14 +274,15 @@ func (m *mockModel) serve(w http.ResponseWriter, r *http.Request) {
 	}
 	rec.Prompt = int(float64(len(body))/bytesPerToken) + 1
 
+	rendered := renderPrompt(body)
 	m.mu.Lock()
-	prev := m.prevBody[rec.Summarize]
-	m.prevBody[rec.Summarize] = body
+	prev := m.prevPrompt[rec.Summarize]
+	m.prevPrompt[rec.Summarize] = rendered
 	m.seq++
 	id := fmt.Sprintf("chatcmpl-agent-%d", m.seq)
 	m.mu.Unlock()
 	common := 0
-	for common < len(prev) && common < len(body) && prev[common] == body[common] {
+	for common < len(prev) && common < len(rendered) && prev[common] == rendered[common] {
 		common++
 	}
 	rec.Cached = min(int(float64(common)/bytesPerToken), rec.Prompt)
