@@ -329,6 +329,7 @@ type run struct {
 	chain bool // Input.Chain is usable
 	lead  int  // leading system/developer messages
 	tail  int  // start of the protected tail
+	floor int  // the tail's floor: keep_tail messages, never opening on a tool result
 	keep  int  // Trim.Keep for new trims of step 1
 	scale float64
 	ratio float64 // provider tokens per local token (Estimate.Ratio)
@@ -369,6 +370,7 @@ func (e *Engine) Compact(ctx context.Context, in Input) Output {
 		r.lead++
 	}
 	r.tail = tailStart(r.msgs, e.cfg.KeepTail)
+	r.floor = r.tail
 	return r.compact()
 }
 
@@ -769,7 +771,7 @@ func (r *run) headView(p plan, from, cut int) []chat.Message {
 // plan without the head (its trims after the cut are kept).
 func (r *run) applyPending(p *plan, base plan, headStart, cur int) (plan, int, bool) {
 	ps := r.st.Pending
-	if ps == nil || !r.chain || ps.Lead != r.lead || ps.Cut <= headStart || ps.Cut > r.tail ||
+	if ps == nil || !r.chain || ps.Lead != r.lead || ps.Cut <= headStart || ps.Cut > max(r.tail, r.floor) ||
 		ps.Cut >= r.n || r.in.Chain[ps.Cut] != ps.Head {
 		return plan{}, 0, false
 	}
@@ -872,7 +874,7 @@ func (r *run) presummarize(out Output, p plan, cur int) Output {
 	if p.sum != nil {
 		headStart = p.sum.Cut
 	}
-	r.tail = r.extendTail(r.tail, headStart, out.Fixed, r.tailLimit(out))
+	r.tail = r.nextTail(headStart, out)
 	if ps := r.st.Pending; ps != nil && r.chain && ps.Lead == r.lead && ps.Cut > headStart && ps.Cut < r.n &&
 		r.in.Chain[ps.Cut] == ps.Head {
 		// The background summary made at an earlier step still applies:
@@ -890,6 +892,25 @@ func (r *run) presummarize(out Output, p plan, cur int) Output {
 	out.StateChanged = !stateEqual(r.in.State, r.st)
 	out.Events = r.ev
 	return out
+}
+
+// nextTail is where a background summary cuts: at the verbatim tail of
+// the request it is made for, the client's next one, which appends a turn
+// to this view. That request's floor counts keep_tail messages back from
+// its end, the newest at least its own; its extension has the new turn to
+// pay for too (taken the size of this view's final turn). Cut at this
+// view's tail instead, the next request would carry that whole tail plus
+// the new turn: a turn more than its own tail, re-evaluated with the
+// summary at each compaction and bringing the next one nearer.
+func (r *run) nextTail(headStart int, out Output) int {
+	now := r.extendTail(r.tail, headStart, out.Fixed, r.tailLimit(out))
+	floor := tailStart(r.msgs, r.e.cfg.KeepTail-1)
+	if floor <= now {
+		return now
+	}
+	final := tailStart(r.msgs, 1)
+	turn := r.est(r.msgs[final:]) - r.est(r.msgs[:0])
+	return max(now, r.extendTail(floor, headStart, out.Fixed, r.tailLimit(out)-turn))
 }
 
 // prefixView is the view p forwards, up to client position cut.

@@ -424,3 +424,64 @@ func TestFinalTurnOverBudgetSummarizes(t *testing.T) {
 		t.Fatalf("the summary was asked for %d tokens, want the replaced summary's size (<= %d)", limit, cfg.SummaryTokens)
 	}
 }
+
+// A background summary is made for the client's next request, which
+// appends a turn: it cuts at that request's tail, not at the tail of the
+// view it was made on. Cut there, the crossing request would carry the old
+// tail plus the new turn verbatim, a turn more than a summary of its own
+// keeps, re-evaluated with the summary and bringing the next compaction
+// nearer (llama-server, Qwen2.5 4k: three rounds where the floor is two).
+func TestBackgroundSummaryCutsForTheNextRequest(t *testing.T) {
+	cfg := baseConfig()
+	ctx := context.Background()
+	input := func(msgs []chat.Message) Input {
+		return Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 10000, Estimate: fakeEstimate}
+	}
+	next := func(c []msg, i int) []msg {
+		id := fmt.Sprintf("p%d", i)
+		return append(slices.Clone(c), callMsg("", id+`:read:{}`), toolMsg(id, blob(id, 1500)))
+	}
+	probe := New(cfg, nil, newClock())
+	crosses := func(c []msg) bool {
+		out := probe.Compact(ctx, input(parse(t, c)))
+		return out.Context.Tokens >= out.Trigger
+	}
+	conv := agentSteps(10, 1500)
+	if crosses(conv) {
+		t.Fatal("setup: over the trigger at the start")
+	}
+	i := 0
+	for ; !crosses(next(conv, i)); i++ {
+		conv = next(conv, i)
+	}
+	crossing := parse(t, next(conv, i))
+
+	// The background summary after the last response below the trigger,
+	// applied by the request that crosses it.
+	sum := okSummarizer()
+	e := New(cfg, sum, newClock())
+	in := input(parse(t, conv))
+	in.Summarize, in.Presummarize = true, true
+	bg := e.Compact(ctx, in)
+	if bg.State.Pending == nil {
+		t.Fatal("no background summary made")
+	}
+	in = input(crossing)
+	in.Summarize, in.State = true, bg.State
+	applied := e.Compact(ctx, in)
+	checkView(t, crossing, applied)
+	if applied.Action != ActionReused || sum.Calls() != 1 {
+		t.Fatalf("crossing request: action %q after %d summarize calls, want the background summary reused", applied.Action, sum.Calls())
+	}
+
+	// The same request making a summary of its own.
+	in = input(crossing)
+	in.Summarize = true
+	own := New(cfg, okSummarizer(), newClock()).Compact(ctx, in)
+	if own.Action != ActionSummarized {
+		t.Fatalf("own summary: action %q", own.Action)
+	}
+	if kb, ko := verbatimTail(crossing, applied.Messages), verbatimTail(crossing, own.Messages); kb > ko {
+		t.Fatalf("with the background summary %d messages stay verbatim, with its own summary %d: the background one cut at the old view's tail", kb, ko)
+	}
+}
