@@ -233,7 +233,8 @@ func runLoop(t *testing.T, env llamaEnv, cfg llamaConfig, bin string, ws []wsFil
 	if cfg.configured {
 		extra = append(extra, "COMPACTPROXY_UPSTREAM_CONTEXT_WINDOW="+strconv.Itoa(cfg.ctx))
 	}
-	proxy, purl := startProxy(t, bin, rec.srv.URL+"/v1", extra...)
+	proxy := startProxy(t, bin, rec.srv.URL+"/v1", extra...)
+	purl := proxy.URL
 
 	tools := toolsFor(cfg.ctx)
 	script := buildScript(cfg.ctx, cfg.workload, ws)
@@ -266,7 +267,7 @@ func runLoop(t *testing.T, env llamaEnv, cfg llamaConfig, bin string, ws []wsFil
 			break
 		}
 		if err != nil {
-			t.Fatalf("step %d: %v\n%s", i, err, proxy.log.tail(4000))
+			t.Fatalf("step %d: %v\n%s", i, err, proxy.Tail(4000))
 		}
 		rb, err := io.ReadAll(resp.Body)
 		resp.Body.Close()
@@ -304,17 +305,17 @@ func runLoop(t *testing.T, env llamaEnv, cfg llamaConfig, bin string, ws []wsFil
 	// summarize takes before reading the metrics.
 	waitIdle(rec, 10*time.Second)
 	metrics := scrapeMetrics(t, purl)
-	if err := proxy.stop(10 * time.Second); err != nil {
+	if err := proxy.Stop(10 * time.Second); err != nil {
 		t.Logf("compactproxy stop: %v", err)
 	}
 	calls := rec.snapshot()
 	f := computeFigures(t, cfg, ls, cs, calls, metrics, tools, script, msgs)
 	f.duration = time.Since(began)
 	if os.Getenv("LLAMA_PROXY_LOG") != "" {
-		t.Logf("compactproxy log:\n%s", proxy.log.tail(1<<20))
+		t.Logf("compactproxy log:\n%s", proxy.Tail(1<<20))
 	}
 	if f.non200 > 0 || len(f.pairingBad) > 0 {
-		t.Logf("compactproxy log (tail):\n%s", proxy.log.tail(6000))
+		t.Logf("compactproxy log (tail):\n%s", proxy.Tail(6000))
 	}
 	return f
 }

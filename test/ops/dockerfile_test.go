@@ -235,8 +235,8 @@ func TestDockerfileBuildAndHealthcheck(t *testing.T) {
 		t.Fatal("healthcheck succeeded with nothing listening: it cannot tell a dead container")
 	}
 	p := start(t, "compactproxy (entrypoint)", wd, env, bin, d.entrypoint[1:]...)
-	p.waitHTTP(t, "http://"+addr+"/healthz", 15e9)
+	p.WaitHTTP(t, "http://"+addr+"/healthz", 15e9)
 	if err := healthcheck(); err != nil {
-		t.Fatalf("HEALTHCHECK %v against the running ENTRYPOINT: %v\n%s", d.healthcheck, err, p.out.tail())
+		t.Fatalf("HEALTHCHECK %v against the running ENTRYPOINT: %v\n%s", d.healthcheck, err, p.Tail(4000))
 	}
 }

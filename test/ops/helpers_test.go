@@ -11,18 +11,16 @@
 package ops
 
 import (
-	"bytes"
 	"context"
 	"fmt"
-	"github.com/compactproxy/compactproxy/test/internal/testproc"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
+
+	"github.com/compactproxy/compactproxy/test/internal/testproc"
 )
 
 // Shared with the other end-to-end packages (test/internal/testproc).
@@ -45,92 +43,20 @@ func needTool(t *testing.T, name string) string {
 	return p
 }
 
-// lockedBuffer collects a process's output; exec writes to it from a
-// goroutine while the test may read it.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) tail() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	s := l.b.String()
-	if len(s) > 4000 {
-		s = "..." + s[len(s)-4000:]
-	}
-	return s
-}
-
-// process is a started binary whose output is kept for failure messages.
-type process struct {
-	name string
-	cmd  *exec.Cmd
-	out  *lockedBuffer
-	done chan struct{}
-}
-
 // start runs bin with args and env (added to a copy of the environment
 // without COMPACTPROXY_* variables) in dir, and stops it (SIGTERM, then
 // kill) when the test ends.
-func start(t *testing.T, name, dir string, env []string, bin string, args ...string) *process {
+func start(t *testing.T, name, dir string, env []string, bin string, args ...string) *testproc.Process {
 	t.Helper()
-	p := &process{name: name, out: &lockedBuffer{}, done: make(chan struct{})}
-	p.cmd = exec.Command(bin, args...)
-	p.cmd.Dir = dir
+	cmd := exec.Command(bin, args...)
+	cmd.Dir = dir
 	for _, kv := range os.Environ() {
 		if !strings.HasPrefix(kv, "COMPACTPROXY_") {
-			p.cmd.Env = append(p.cmd.Env, kv)
+			cmd.Env = append(cmd.Env, kv)
 		}
 	}
-	p.cmd.Env = append(p.cmd.Env, env...)
-	p.cmd.Stdout, p.cmd.Stderr = p.out, p.out
-	if err := p.cmd.Start(); err != nil {
-		t.Fatalf("start %s: %v", name, err)
-	}
-	go func() { _ = p.cmd.Wait(); close(p.done) }()
-	t.Cleanup(func() {
-		_ = p.cmd.Process.Signal(os.Interrupt)
-		select {
-		case <-p.done:
-		case <-time.After(10 * time.Second):
-			_ = p.cmd.Process.Kill()
-			<-p.done
-		}
-	})
-	return p
-}
-
-// waitHTTP polls url until it answers 200, failing when the process exits
-// or the deadline passes.
-func (p *process) waitHTTP(t *testing.T, url string, within time.Duration) {
-	t.Helper()
-	hc := &http.Client{Timeout: time.Second}
-	deadline := time.Now().Add(within)
-	for {
-		select {
-		case <-p.done:
-			t.Fatalf("%s exited before %s answered:\n%s", p.name, url, p.out.tail())
-		default:
-		}
-		resp, err := hc.Get(url)
-		if err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return
-			}
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: %s did not answer 200 within %v (last error %v):\n%s", p.name, url, within, err, p.out.tail())
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	cmd.Env = append(cmd.Env, env...)
+	return testproc.Start(t, name, cmd, nil)
 }
 
 // run runs a short command and returns its combined output.

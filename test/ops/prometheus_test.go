@@ -453,7 +453,7 @@ func TestPrometheusScrapesTheLoop(t *testing.T) {
 		"COMPACTPROXY_LOG_LEVEL=warn",
 	}, bin)
 	proxyURL := "http://" + proxyAddr
-	proxy.waitHTTP(t, proxyURL+"/healthz", 15*time.Second)
+	proxy.WaitHTTP(t, proxyURL+"/healthz", 15*time.Second)
 
 	// Prometheus: loopback only, 1 s scrape and rule evaluation, the rules
 	// as shipped.
@@ -478,7 +478,7 @@ scrape_configs:
 		"--web.listen-address="+promAddr,
 		"--log.level=warn")
 	api := promAPI{t: t, base: "http://" + promAddr}
-	prom.waitHTTP(t, api.base+"/-/ready", 30*time.Second)
+	prom.WaitHTTP(t, api.base+"/-/ready", 30*time.Second)
 	waitFor(t, "the first scrape of compactproxy", func() bool {
 		v := api.values(`up{job="compactproxy"} == 1`, 0)
 		return len(v) == 1

@@ -1,7 +1,8 @@
 // Package testproc holds what the end-to-end test packages (test/e2e,
 // test/agent, test/llama, test/ops) share to run the real binary: finding
-// the repository, building ./cmd/compactproxy, a free loopback port, and
-// the skip-or-fail rule for missing tools. Go test files cannot be
+// the repository, building ./cmd/compactproxy, a free loopback port,
+// starting and stopping processes (the binary, llama-server), and the
+// skip-or-fail rule for missing tools. Go test files cannot be
 // imported across packages, so it is an ordinary package under
 // test/internal, importable only by the tests.
 package testproc

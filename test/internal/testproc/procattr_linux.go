@@ -1,4 +1,4 @@
-package llama
+package testproc
 
 import (
 	"os/exec"
@@ -7,7 +7,7 @@ import (
 
 // dieWithTest makes the child get SIGKILL when the test process dies (a
 // test timeout panics without running cleanups, which would leave
-// llama-server running).
+// the process running).
 func dieWithTest(cmd *exec.Cmd) {
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 }
