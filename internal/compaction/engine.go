@@ -811,40 +811,34 @@ func withSummary(base plan, s *Summary) plan {
 	return q
 }
 
-// summaryTokens estimates what the text of p's summary takes in its view
-// (0 without one): bounded by Summary.Tokens when that is known.
-func (r *run) summaryTokens(p plan) int {
+// summarySplit estimates p's view without its summary's text (bare) and
+// what the text takes in it: the estimate's share, or Summary.Tokens when
+// that bound is known and smaller (a summary asked for n tokens of the
+// upstream's own model takes at most n). Without a summary, text is 0.
+func (r *run) summarySplit(p plan) (bare, text int) {
+	full := r.est(r.view(p))
 	s := p.sum
 	if s == nil {
-		return 0
+		return full, 0
 	}
-	bare := *s
-	bare.Text = ""
+	b := *s
+	b.Text = ""
 	q := p
-	q.sum = &bare
-	t := r.est(r.view(p)) - r.est(r.view(q))
-	if s.Tokens > 0 && s.Tokens < t {
-		t = s.Tokens
+	q.sum = &b
+	bare = r.est(r.view(q))
+	text = max(full-bare, 0)
+	if s.Tokens > 0 {
+		text = min(text, s.Tokens)
 	}
-	return max(t, 0)
+	return bare, text
 }
 
-// summaryEst estimates q, a plan whose summary is new: when the summary's
-// size in the upstream's tokens is bounded (Summary.Tokens), the view
-// without its text plus that bound, if that is less than the estimate of
-// its text. (The first response then measures the view exactly: later
-// requests are anchored.)
+// summaryEst estimates q, a plan whose summary is new, with its text
+// counted as summarySplit does. (The first response then measures the
+// view exactly: later requests are anchored.)
 func (r *run) summaryEst(q plan) int {
-	e := r.est(r.view(q))
-	if s := q.sum; s != nil && s.Tokens > 0 {
-		bare := *s
-		bare.Text = ""
-		q.sum = &bare
-		if b := r.est(r.view(q)) + s.Tokens; b < e {
-			return b
-		}
-	}
-	return e
+	bare, text := r.summarySplit(q)
+	return bare + text
 }
 
 // minRoom is the least room a summary needs: summary_min_tokens, or the
@@ -909,6 +903,8 @@ func (r *run) nextTail(headStart int, out Output) int {
 		return now
 	}
 	final := tailStart(r.msgs, 1)
+	// The final turn's size, less the request's own cost (tools, template)
+	// that an estimate of any view carries.
 	turn := r.est(r.msgs[final:]) - r.est(r.msgs[:0])
 	return max(now, r.extendTail(floor, headStart, out.Fixed, r.tailLimit(out)-turn))
 }
@@ -1014,7 +1010,8 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 			// the final one and leave the view over the budget all the
 			// same. A new summary no larger than the one it replaces folds
 			// them instead: a view the drop's size, nothing lost.
-			if old := min(r.summaryTokens(*p), cfg.SummaryTokens); old >= cfg.minRoom() {
+			_, old := r.summarySplit(*p)
+			if old = min(old, cfg.SummaryTokens); old >= cfg.minRoom() {
 				if final != cut || cand == nil {
 					cand, base, withoutHead, _ = measure(final)
 					cut = final
