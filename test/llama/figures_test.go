@@ -476,7 +476,11 @@ func (f *figures) render() string {
 	if f.cfg.configured {
 		window = fmt.Sprintf("upstream.context_window=%d", f.cfg.ctx)
 	}
-	w("=== %s: llama-server -c %d (n_ctx %d), template %s, window %s; %d steps in %v", f.cfg.name, f.cfg.ctx, f.nCtx, tmpl, window, len(f.rows), f.duration.Round(time.Millisecond))
+	settings := "compactproxy's defaults"
+	if f.cfg.profile == smallWindow {
+		settings = "small-window profile " + strings.Join(smallWindowSettings, " ")
+	}
+	w("=== %s: llama-server -c %d (n_ctx %d), template %s, window %s; %d steps in %v; %s", f.cfg.name, f.cfg.ctx, f.nCtx, tmpl, window, len(f.rows), f.duration.Round(time.Millisecond), settings)
 	w("fixed part: system+task %d tokens, tools array +%d tokens (%d tools); tool results %d bytes / %d tokens = %.2f bytes/token",
 		f.baseTokens, f.toolsTokens, len(toolsFor(f.cfg.ctx)), f.resultBytes, f.resultTokens, float64(f.resultBytes)/math.Max(1, float64(f.resultTokens)))
 	var acts []string
@@ -620,8 +624,8 @@ func (f *figures) assertGoals(t *testing.T) {
 	if f.freshN > 0 && f.freshMAE > 10 {
 		t.Errorf("goal: freshly compacted views within 10%% of the reported prompt_tokens; mean |error| %.1f%% over %d steps", f.freshMAE, f.freshN)
 	}
-	if bound := cacheBound[f.cfg.workload]; f.cacheReuse < bound {
-		t.Errorf("cache reuse Σcached ÷ Σprompt after step 1 %.3f (%d/%d), under the %.2f regression bound of the %q workload (goal 0.8)", f.cacheReuse, f.sumCached, f.sumPrompt, bound, f.cfg.workload)
+	if bound, why := f.cacheBound(); f.cacheReuse < bound {
+		t.Errorf("cache reuse Σcached ÷ Σprompt after step 1 %.3f (%d/%d), under the %.2f regression bound (%s; goal 0.8)", f.cacheReuse, f.sumCached, f.sumPrompt, bound, why)
 	} else if f.cacheReuse < 0.8 {
 		notMet("cache reuse Σcached ÷ Σprompt after step 1 >= 0.8; got %.3f (%d/%d)", f.cacheReuse, f.sumCached, f.sumPrompt)
 	}
@@ -634,8 +638,25 @@ func (f *figures) assertGoals(t *testing.T) {
 }
 
 // cacheBound is the cache figure's regression bound per workload, under
-// the figures measured (README): paced 0.65–0.78, stress 0.38–0.64.
+// the figures measured (README): paced 0.64–0.80, stress 0.49–0.63.
 var cacheBound = map[string]float64{paced: 0.55, stress: 0.3}
+
+// smallWindowCacheBound holds the small-window profile near the goal
+// (measured 0.81–0.85) where the room lets it get there: where the fixed
+// part (system prompt, task, tools) is at most half the budget. Where it is
+// more (Qwen2.5 at 2k: 893 of 1,536 tokens), the two-turn floor, the
+// summary and the instruction leave less than a step of room, every step
+// compacts and evaluates them again, and the workload's bound applies.
+const smallWindowCacheBound = 0.78
+
+// cacheBound is this run's bound and what it is.
+func (f *figures) cacheBound() (float64, string) {
+	budget := f.cfg.ctx - f.cfg.ctx/4 // reserve_tokens (4096 by default) is capped at a quarter of the window
+	if f.cfg.profile == smallWindow && 2*(f.baseTokens+f.toolsTokens) <= budget {
+		return smallWindowCacheBound, fmt.Sprintf("small-window profile, fixed part %d of a %d-token budget", f.baseTokens+f.toolsTokens, budget)
+	}
+	return cacheBound[f.cfg.workload], fmt.Sprintf("the %q workload", f.cfg.workload)
+}
 
 // minAnchoredForBound is how many anchored steps the 8% regression bound
 // needs: below it the cold-start step 2 (one anchor, no calibration yet)

@@ -47,6 +47,22 @@ type llamaConfig struct {
 	template   string // file; "" = ChatML
 	configured bool   // upstream.context_window set (else discovered from /props)
 	workload   string // stress or paced (agent_test.go)
+	profile    string // "" = compactproxy's defaults; smallWindow = smallWindowSettings
+}
+
+// smallWindow is the profile a user at a 2–4k window can choose (README,
+// "Tests against a real llama-server"): compact later, start the
+// background summary later, keep a shorter tail. DESIGN's defaults are set
+// for large windows, where a step appends 1–3% of the room; here a step
+// appends 7–18% of it, and each compaction evaluates the summary, the
+// instruction and the tail again, so how often it comes decides the cache.
+const smallWindow = "small"
+
+// smallWindowSettings are the profile's settings, as a user passes them.
+var smallWindowSettings = []string{
+	"COMPACTPROXY_COMPACTION_TRIGGER_RATIO=0.95",
+	"COMPACTPROXY_COMPACTION_PRESUMMARIZE_RATIO=0.9",
+	"COMPACTPROXY_COMPACTION_TAIL_RATIO=0.15",
 }
 
 // resolvePath takes a path as given, else relative to the repository root
@@ -113,7 +129,9 @@ func templateName(p string) string {
 }
 
 // matrix: the paced workload at every context × every template, the window
-// discovered from /props as a sidecar user would; then the stress workload
+// discovered from /props as a sidecar user would, first with compactproxy's
+// defaults and then with the small-window profile ("small-..."); then the
+// stress workload
 // where it bites hardest: the largest context with ChatML (a step is a
 // fifth of the room: compaction at almost every step) and the smallest with
 // the last template (the tools leave a room of about 640 tokens: sometimes
@@ -124,6 +142,11 @@ func matrix(e llamaEnv) []llamaConfig {
 	for _, c := range e.contexts {
 		for _, tp := range e.templates {
 			out = append(out, llamaConfig{name: fmt.Sprintf("%s-%d-discovered", templateName(tp), c), ctx: c, template: tp, workload: paced})
+		}
+	}
+	for _, c := range e.contexts {
+		for _, tp := range e.templates {
+			out = append(out, llamaConfig{name: fmt.Sprintf("%s-%s-%d-discovered", smallWindow, templateName(tp), c), ctx: c, template: tp, workload: paced, profile: smallWindow})
 		}
 	}
 	small, large := e.contexts[0], e.contexts[len(e.contexts)-1]
@@ -169,7 +192,8 @@ func TestLlamaAgentLoop(t *testing.T) {
 	start := time.Now()
 	configs := matrix(env)
 	// LLAMA_RUN: a regular expression on the configuration names, to run
-	// a part of the matrix (e.g. LLAMA_RUN=paced).
+	// a part of the matrix (e.g. LLAMA_RUN=stress, LLAMA_RUN=small, or
+	// LLAMA_RUN='^(chatml|Qwen)' for the paced runs with the defaults).
 	if re := os.Getenv("LLAMA_RUN"); re != "" {
 		rx, err := regexp.Compile(re)
 		if err != nil {
@@ -229,7 +253,11 @@ func runLoop(t *testing.T, env llamaEnv, cfg llamaConfig, bin string, ws []wsFil
 	// summary always runs to its limit, min(summarizer.max_tokens, room):
 	// summaryTokens sets the length a model's summary would have.
 	// (The settings below come first: LLAMA_PROXY_ENV may override them.)
-	extra := append([]string{"COMPACTPROXY_COMPACTION_SUMMARIZER_MAX_TOKENS=" + strconv.Itoa(summaryTokens(cfg.ctx))}, strings.Fields(os.Getenv("LLAMA_PROXY_ENV"))...)
+	extra := []string{"COMPACTPROXY_COMPACTION_SUMMARIZER_MAX_TOKENS=" + strconv.Itoa(summaryTokens(cfg.ctx))}
+	if cfg.profile == smallWindow {
+		extra = append(extra, smallWindowSettings...)
+	}
+	extra = append(extra, strings.Fields(os.Getenv("LLAMA_PROXY_ENV"))...)
 	if cfg.configured {
 		extra = append(extra, "COMPACTPROXY_UPSTREAM_CONTEXT_WINDOW="+strconv.Itoa(cfg.ctx))
 	}
@@ -332,7 +360,7 @@ type budget struct {
 
 func newBudget(t *testing.T, configs []llamaConfig) *budget {
 	t.Helper()
-	d := 540 * time.Second
+	d := 720 * time.Second
 	if s := os.Getenv("LLAMA_BUDGET"); s != "" {
 		v, err := time.ParseDuration(s)
 		if err != nil || v <= 0 {
