@@ -57,7 +57,7 @@ ops-deps:
 redis-deps:
 	./scripts/redis-deps.sh
 
-# -timeout 20m: test/llama's matrix takes at most LLAMA_BUDGET (540 s) and
+# -timeout 20m: test/llama's matrix takes at most LLAMA_BUDGET (720 s) and
 # never more than half the test binary's deadline (the default 10 min).
 test: e2e-deps agent-deps ops-deps redis-deps
 	$(GO) test -race -count=1 -timeout 20m ./...
