@@ -82,20 +82,27 @@ func startLlama(t *testing.T, env llamaEnv, cfg llamaConfig) *llamaServer {
 // countTokens is the exact prompt size of a chat body, without touching a
 // slot: /apply-template, then /tokenize with the special tokens.
 func (s *llamaServer) countTokens(body []byte) (int, error) {
+	toks, err := s.promptTokens(body)
+	return len(toks), err
+}
+
+// promptTokens is the prompt llama-server would evaluate for a chat body,
+// as token ids (one JSON number each).
+func (s *llamaServer) promptTokens(body []byte) ([]json.RawMessage, error) {
 	var tmpl struct {
 		Prompt string `json:"prompt"`
 	}
 	if err := postJSON(s.url+"/apply-template", body, &tmpl); err != nil {
-		return 0, fmt.Errorf("apply-template: %w", err)
+		return nil, fmt.Errorf("apply-template: %w", err)
 	}
 	req, _ := json.Marshal(map[string]any{"content": tmpl.Prompt, "add_special": true})
 	var tok struct {
 		Tokens []json.RawMessage `json:"tokens"`
 	}
 	if err := postJSON(s.url+"/tokenize", req, &tok); err != nil {
-		return 0, fmt.Errorf("tokenize: %w", err)
+		return nil, fmt.Errorf("tokenize: %w", err)
 	}
-	return len(tok.Tokens), nil
+	return tok.Tokens, nil
 }
 
 // countText tokenizes plain text without special tokens.
