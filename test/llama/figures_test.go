@@ -212,12 +212,18 @@ func pairingOf(msgs []fwdMessage) []pairing.Message {
 // summary (internal/compaction's label opens it), "" when there is none.
 func summaryText(msgs []fwdMessage) string {
 	for _, m := range msgs {
-		if m.Role == "user" && strings.HasPrefix(m.text(), "[Summary of the earlier conversation (compactproxy)") {
+		if m.Role == "user" && strings.HasPrefix(m.text(), summaryLabel) {
 			return m.text()
 		}
 	}
 	return ""
 }
+
+// summaryLabel is the text compactproxy's summary message opens with
+// (internal/compaction/view.go). A changed label fails the summary goals
+// (no summary is found), so the late-compaction reference, which opens its
+// summaries with it, never measures another label.
+const summaryLabel = "[Summary of the earlier conversation (compactproxy); the latest messages follow verbatim.]\n\n"
 
 func hasUser(msgs []fwdMessage, text string) bool {
 	for _, m := range msgs {

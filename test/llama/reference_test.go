@@ -65,11 +65,11 @@ func latestText(msgs []message) int {
 	return -1
 }
 
-// boundView is the oracle's view after folding msgs[1:cut) into a summary,
+// referenceView is the reference's view after folding msgs[1:cut) into a summary,
 // with msgs[pin] after it when pin > 0 (the latest instruction, when the
 // compaction found it in the folded head; re-applied as it was until the
 // next compaction, as compactproxy re-applies its records).
-func boundView(msgs []message, cut, pin int, summary string) []message {
+func referenceView(msgs []message, cut, pin int, summary string) []message {
 	view := []message{msgs[0], {Role: "user", Content: summary}}
 	next := msgs[cut]
 	if pin > 0 {
@@ -83,11 +83,6 @@ func boundView(msgs []message, cut, pin int, summary string) []message {
 	}
 	return append(view, msgs[cut:]...)
 }
-
-// summaryLabel is the text compactproxy's summary message opens with
-// (internal/compaction/view.go): the same at every compaction, so the
-// prompt cache serves it; the oracle's summary carries it too.
-const summaryLabel = "[Summary of the earlier conversation (compactproxy); the latest messages follow verbatim.]\n\n"
 
 // lateReference computes f.cacheLateReference over the steps that ran.
 // (The previous answer's own tokens are not part of a common prefix: the
@@ -103,8 +98,9 @@ func (f *figures) lateReference(t *testing.T, ls *llamaServer, cs []clientStep, 
 		return toks, true
 	}
 	// A summary text of the run's summary length in this tokenizer's
-	// tokens, opened by a number so that each compaction's text differs
-	// from the one before from its first token on.
+	// tokens, after compactproxy's label (the same at every compaction, so
+	// the cache serves it), opened by a number so that each compaction's
+	// text differs from the one before from there on.
 	const word = "story "
 	n100, err := ls.countText(strings.Repeat(word, 100))
 	if err != nil || n100 == 0 {
@@ -125,7 +121,7 @@ func (f *figures) lateReference(t *testing.T, ls *llamaServer, cs []clientStep, 
 		msgs := final[:st.clientMsgs]
 		view := msgs
 		if cut > 0 {
-			view = boundView(msgs, cut, pin, summary(k))
+			view = referenceView(msgs, cut, pin, summary(k))
 		}
 		toks, ok := tokens(view)
 		if !ok {
@@ -136,7 +132,7 @@ func (f *figures) lateReference(t *testing.T, ls *llamaServer, cs []clientStep, 
 			if l := latestText(msgs); l >= 1 && l < cut {
 				pin = l
 			}
-			if toks, ok = tokens(boundView(msgs, cut, pin, summary(k))); !ok {
+			if toks, ok = tokens(referenceView(msgs, cut, pin, summary(k))); !ok {
 				return
 			}
 			if ft := finalTurn(msgs); len(toks) > budget && ft > cut {
@@ -147,7 +143,7 @@ func (f *figures) lateReference(t *testing.T, ls *llamaServer, cs []clientStep, 
 				if l := latestText(msgs); l >= 1 && l < cut {
 					pin = l
 				}
-				if toks, ok = tokens(boundView(msgs, cut, pin, summary(k))); !ok {
+				if toks, ok = tokens(referenceView(msgs, cut, pin, summary(k))); !ok {
 					return
 				}
 			}
