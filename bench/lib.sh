@@ -46,6 +46,19 @@ start_addr() {
 	addr="$(cat "$work/$name.addr")"
 }
 
+# start_upstreams LATENCY SUMMARIZER_LATENCY: the harness's two mock
+# upstreams (chat, summarizer) and the bare proxy in front of the first;
+# sets mock, summock, bare and bare_pid (host:port, pid).
+start_upstreams() {
+	start_addr mock mockupstream -latency "$1"
+	mock="$addr"
+	start_addr summock mockupstream -latency "$2"
+	summock="$addr"
+	start_addr bare bareproxy -upstream "http://$mock"
+	bare="$addr"
+	bare_pid="$last_pid"
+}
+
 # start_compactproxy LOG PORT [ENV=value...]: $work/compactproxy on
 # 127.0.0.1:PORT in front of $mock with a 1,000,000-token window, configured
 # by env alone (run from the work directory: no config file; the caller's

@@ -31,12 +31,7 @@ bench_init profile profile
 go build -o "$work/" ./bench/cmd/mockupstream ./bench/cmd/bareproxy ./bench/cmd/loadgen
 CGO_ENABLED=0 go build -tags pprof -o "$work/compactproxy" ./cmd/compactproxy
 
-start_addr mock mockupstream -latency "$latency"
-mock="$addr"
-start_addr summock mockupstream -latency "$sumlatency"
-summock="$addr"
-start_addr bare bareproxy -upstream "http://$mock"
-bare="$addr"
+start_upstreams "$latency" "$sumlatency"
 
 port="$("$work/loadgen" -freeport)"
 pport="$("$work/loadgen" -freeport)"

@@ -63,13 +63,7 @@ elif ! CGO_ENABLED=0 go build -o "$work/compactproxy" ./cmd/compactproxy >"$work
 	log "$note"
 fi
 
-start_addr mock mockupstream -latency "$latency"
-mock="$addr"
-start_addr summock mockupstream -latency "$sumlatency"
-summock="$addr"
-start_addr bare bareproxy -upstream "http://$mock"
-bare="$addr"
-bare_pid="$last_pid"
+start_upstreams "$latency" "$sumlatency"
 
 compact_args=()
 if [ -z "$note" ]; then
