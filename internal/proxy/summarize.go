@@ -158,15 +158,6 @@ func sourceOf(ctx context.Context) *chat.Request {
 	return req
 }
 
-// withSummarizeRequest adds to ctx what a summarize call may take from the
-// client's request when the summarizer is the chat upstream and model: a
-// Builder that writes the summarize request as a continuation of this very
-// request (same model, tools and other top-level fields as the client sent
-// them, so the forwarded prefix and the upstream's prompt cache are
-// shared), with tool_choice "none", no streaming, no output options that
-// would shape the summary (OpenAI's, and llama-server's and vLLM's own
-// length and format fields), and the summary's own token limit. It also
-// counts every summarize answer's reported usage.
 // summaryInUpstreamTokens tells whether summaries for model are made by
 // the upstream's own model (the summarizer is the chat upstream, with no
 // other model configured): a summarize call's limit then bounds the
@@ -176,6 +167,15 @@ func (s *Server) summaryInUpstreamTokens(model string) bool {
 	return s.summarizerIsUpstream && (sumModel == "" || sumModel == model)
 }
 
+// withSummarizeRequest adds to ctx what a summarize call may take from the
+// client's request when the summarizer is the chat upstream and model: a
+// Builder that writes the summarize request as a continuation of this very
+// request (same model, tools and other top-level fields as the client sent
+// them, so the forwarded prefix and the upstream's prompt cache are
+// shared), with tool_choice "none", no streaming, no output options that
+// would shape the summary (OpenAI's, and llama-server's and vLLM's own
+// length and format fields), and the summary's own token limit. It also
+// counts every summarize answer's reported usage.
 func (s *Server) withSummarizeRequest(ctx context.Context, req *chat.Request) context.Context {
 	ctx = summarizer.WithUsageHook(ctx, func(u anchor.Usage) {
 		s.metrics.SummarizeInputTokens.WithLabelValues("uncached").Add(float64(u.Uncached))
