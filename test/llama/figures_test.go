@@ -660,9 +660,14 @@ var cacheBound = map[string]float64{paced: 0.55, stress: 0.3}
 // compacts and evaluates them again, and the workload's bound applies.
 const smallWindowCacheBound = 0.78
 
+// budget is compactproxy's budget at this window for every step of the
+// loop: reserve_tokens (4096 by default) and any max_tokens are capped at
+// a quarter of the window.
+func (c llamaConfig) budget() int { return c.ctx - c.ctx/4 }
+
 // cacheBound is this run's bound and what it is.
 func (f *figures) cacheBound() (float64, string) {
-	budget := f.cfg.ctx - f.cfg.ctx/4 // reserve_tokens (4096 by default) is capped at a quarter of the window
+	budget := f.cfg.budget()
 	if f.cfg.profile == smallWindow && 2*(f.baseTokens+f.toolsTokens) <= budget {
 		return smallWindowCacheBound, fmt.Sprintf("small-window profile, fixed part %d of a %d-token budget", f.baseTokens+f.toolsTokens, budget)
 	}

@@ -109,7 +109,7 @@ func (f *figures) lateReference(t *testing.T, ls *llamaServer, cs []clientStep, 
 	}
 	reps := max(int(float64(summaryTokens(f.cfg.ctx))*100/float64(n100)+0.5), 1)
 	summary := func(k int) string { return summaryLabel + strconv.Itoa(k) + " " + strings.Repeat(word, reps) }
-	budget := f.cfg.ctx - f.cfg.ctx/4
+	budget := f.cfg.budget()
 
 	cut, pin, k := 0, 0, 0 // cut 0: nothing folded yet; k: compactions so far
 	var prev []json.RawMessage
