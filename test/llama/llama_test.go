@@ -348,11 +348,12 @@ func runLoop(t *testing.T, env llamaEnv, cfg llamaConfig, bin string, ws []wsFil
 	return f
 }
 
-// budget shares LLAMA_BUDGET (a Go duration, default 290s: make test's
-// share for these tests is about 5 minutes; a 40-step loop takes 0.5–2.5 s a step with -t 2) among the configurations in
-// proportion to their context size (a step costs llama-server about
-// linearly more at a larger window, or worse); what a quick one leaves
-// rolls over to the next. Never past half the test binary's own deadline.
+// budget shares LLAMA_BUDGET (a Go duration, default 900s; the matrix
+// takes about 6.5 min under make test's load, a step 0.2–1.5 s with -t 2)
+// among the configurations in proportion to their context size (a step
+// costs llama-server about linearly more at a larger window, or worse);
+// what a quick one leaves rolls over to the next. Never past half the test
+// binary's own deadline (make test's -timeout 30m: 15 min).
 type budget struct {
 	end  time.Time
 	left []int // contexts of the configurations still to run
@@ -360,7 +361,7 @@ type budget struct {
 
 func newBudget(t *testing.T, configs []llamaConfig) *budget {
 	t.Helper()
-	d := 720 * time.Second
+	d := 900 * time.Second
 	if s := os.Getenv("LLAMA_BUDGET"); s != "" {
 		v, err := time.ParseDuration(s)
 		if err != nil || v <= 0 {
