@@ -11,6 +11,8 @@ import (
 	"sync"
 	"unicode/utf16"
 	"unicode/utf8"
+
+	"github.com/compactproxy/compactproxy/internal/chat"
 )
 
 // ErrInvalidJSON is wrapped by every error AppendCanonical and MessageHash
@@ -393,43 +395,10 @@ func compareKeys(a, b []byte) int {
 	if bytes.IndexByte(a, '\\') < 0 && bytes.IndexByte(b, '\\') < 0 {
 		return bytes.Compare(a, b)
 	}
-	return bytes.Compare(unescapeCanonical(a), unescapeCanonical(b))
-}
-
-// unescapeCanonical decodes the content of a canonical string (only the
-// escapes AppendCanonical writes).
-func unescapeCanonical(s []byte) []byte {
-	if bytes.IndexByte(s, '\\') < 0 {
-		return s
+	if bytes.IndexByte(a, '\\') < 0 && bytes.IndexByte(b, '\\') < 0 {
+		return bytes.Compare(a, b)
 	}
-	out := make([]byte, 0, len(s))
-	for i := 0; i < len(s); i++ {
-		if s[i] != '\\' || i+1 >= len(s) {
-			out = append(out, s[i])
-			continue
-		}
-		i++
-		switch s[i] {
-		case 'b':
-			out = append(out, '\b')
-		case 'f':
-			out = append(out, '\f')
-		case 'n':
-			out = append(out, '\n')
-		case 'r':
-			out = append(out, '\r')
-		case 't':
-			out = append(out, '\t')
-		case 'u':
-			if i+4 < len(s) {
-				out = append(out, byte(hexVal(s[i+3])<<4|hexVal(s[i+4])))
-				i += 4
-			}
-		default: // '"', '\\'
-			out = append(out, s[i])
-		}
-	}
-	return out
+	return bytes.Compare(chat.AppendUnescaped(nil, a), chat.AppendUnescaped(nil, b))
 }
 
 const (

@@ -1,6 +1,7 @@
 package chat
 
 import (
+	"bytes"
 	"encoding/binary"
 	"math/bits"
 	"strconv"
@@ -391,6 +392,21 @@ func text(raw []byte, escaped bool) string {
 	}
 	return string(appendUnescaped(make([]byte, 0, len(body)), body))
 }
+
+// Unescape decodes the body of a valid JSON string literal (without its
+// quotes) as encoding/json does: a lone surrogate becomes U+FFFD. The one
+// JSON-string decoder of the project (the compaction excerpts and the
+// canonical form's key order use it too).
+func Unescape(body []byte) string {
+	if bytes.IndexByte(body, '\\') < 0 && utf8.Valid(body) {
+		return string(body)
+	}
+	return string(appendUnescaped(make([]byte, 0, len(body)), body))
+}
+
+// AppendUnescaped appends the decoded form of a valid JSON string body (no
+// quotes) to dst.
+func AppendUnescaped(dst, body []byte) []byte { return appendUnescaped(dst, body) }
 
 // appendUnescaped appends the decoded form of a validated string body (no
 // quotes) to dst.

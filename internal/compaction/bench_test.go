@@ -49,9 +49,9 @@ func BenchmarkCompactTrimPath(b *testing.B) {
 	msgs, chain := benchConversation(b)
 	for _, be := range benchEstimators {
 		b.Run(be.name, func(b *testing.B) {
-			e := New(baseConfig(), okSummarizer(), newClock())
+			e := newDriver(baseConfig(), okSummarizer(), newClock())
 			// budget 300k tokens (trigger 240k, target 180k); the view is ≈ 262k (fake).
-			in := Input{Messages: msgs, Chain: chain, Window: 300000, Estimate: be.est, Summarize: true}
+			in := Input{Messages: msgs, Chain: chain, Window: 300000, Estimate: be.est}
 			out := e.Compact(context.Background(), in)
 			if out.Action != ActionTrimmed || out.Forwarded >= out.Target {
 				b.Fatalf("action %q forwarded %d target %d context %d", out.Action, out.Forwarded, out.Target, out.Context.Tokens)
@@ -72,8 +72,8 @@ func BenchmarkCompactReapplied(b *testing.B) {
 	msgs, chain := benchConversation(b)
 	for _, be := range benchEstimators {
 		b.Run(be.name, func(b *testing.B) {
-			e := New(baseConfig(), okSummarizer(), newClock())
-			in := Input{Messages: msgs, Chain: chain, Window: 300000, Estimate: be.est, Summarize: true}
+			e := newDriver(baseConfig(), okSummarizer(), newClock())
+			in := Input{Messages: msgs, Chain: chain, Window: 300000, Estimate: be.est}
 			in.State = e.Compact(context.Background(), in).State
 			if out := e.Compact(context.Background(), in); out.Action != ActionTrimmed || len(out.Events.NewActions) != 0 {
 				b.Fatalf("action %q new %v", out.Action, out.Events.NewActions)
@@ -94,8 +94,8 @@ func BenchmarkCompactBelowTrigger(b *testing.B) {
 	msgs, chain := benchConversation(b)
 	for _, be := range benchEstimators {
 		b.Run(be.name, func(b *testing.B) {
-			e := New(baseConfig(), okSummarizer(), newClock())
-			in := Input{Messages: msgs, Chain: chain, Window: 2000000, Estimate: be.est, Summarize: true}
+			e := newDriver(baseConfig(), okSummarizer(), newClock())
+			in := Input{Messages: msgs, Chain: chain, Window: 2000000, Estimate: be.est}
 			if out := e.Compact(context.Background(), in); out.Action != ActionNone {
 				b.Fatalf("action %q", out.Action)
 			}

@@ -1,8 +1,19 @@
 // Package compaction decides, for one view of a conversation, whether and how
 // to compact it so it fits the model's window: trim, summarize with a verbatim
 // tail, reuse stored compactions, latch after failures, throttle, drop. It is
-// pure logic: standard library and the sibling pure packages only; the model
-// call and the clock come in through interfaces.
+// pure logic: standard library and the sibling pure packages only, no
+// context, no clock, nothing that calls out. Planner.Plan is the one entry
+// point (requests, overflow recovery, previews and background summaries are
+// Passes of it); it decides and never acts: when a summary is needed its
+// Output.Need says what to summarize, how large and in what shape, the
+// caller obtains it and plans the same Input again with the answer in
+// Input.Summary (etcd raft's Step/Ready: decide, then do).
+//
+// Files by concern: planner.go (the API and the order of the steps),
+// sizing.go (budget, thresholds, the verbatim tail, estimates), plan.go (a
+// set of compactions and the view it renders), trim.go, summary.go,
+// drop.go, finish.go (the invariant check and the output), state.go and
+// lineage.go (what is stored), view.go (excerpts and the summary block).
 //
 // The steps follow DESIGN.md § Compaction. Readings of the cases it leaves
 // open:
@@ -36,17 +47,18 @@
 //     opening user message when the next kept message is not a user one and
 //     never makes two user or two assistant messages meet.
 //   - Failures: the summarizer's error, ErrEmptySummary, ErrSummaryNotSmaller
-//     (compared with the trimmed view before it). A canceled request context
-//     (the client went away) does not engage the latch. LatchGrowth 0
+//     (compared with the trimmed view before it). A call given up for its
+//     requester's sake (SummaryResult.Canceled) does not engage the latch. LatchGrowth 0
 //     disables the latch; the latch is checked before the throttle and also
-//     in overflow recovery (IgnoreThrottle).
+//     in overflow recovery (PassRecover).
 //   - A new summary clears the drop record and the trims it covers; trims in
 //     the head that step 1 made before the summary are neither stored nor
 //     reported.
-//   - Shadow and dry runs never call the summarizer (a summary that is not
-//     stored would be asked for again at every step); they report
-//     ActionSummarizePending where one would be made. Shadow forwards the
-//     client's view and returns the input State.
+//   - Shadow mode never asks for a summary (a summary that is not stored
+//     would be asked for again at every step); it reports
+//     ActionSummarizePending where one would be made, forwards the client's
+//     view and returns the input State. A preview's dry run is a plan whose
+//     Need the caller does not act on.
 //   - Invariant: a produced view must pass pairing.Check; when the client's
 //     own view does not (pairing off), it must add no violation. A failing
 //     view is discarded; the stored records are forgotten when they alone

@@ -66,7 +66,7 @@ func checkView(t *testing.T, in []chat.Message, out Output) {
 func TestFailedSummarizerLatch(t *testing.T) {
 	sum := failingSummarizer()
 	cfg := baseConfig()
-	s := &session{tb: t, e: New(cfg, sum, newClock()), win: 10000}
+	s := &session{tb: t, e: newDriver(cfg, sum, newClock()), win: 10000}
 	first, C, overSteps := -1, 0, 0
 	for steps := 1; steps <= 60; steps++ {
 		msgs := parse(t, agentSteps(steps, 2000))
@@ -165,7 +165,7 @@ func TestVerbatimTail(t *testing.T) {
 			cfg := baseConfig()
 			cfg.KeepTail = tc.keepTail
 			sum := okSummarizer()
-			s := &session{tb: t, e: New(cfg, sum, newClock()), win: 3500}
+			s := &session{tb: t, e: newDriver(cfg, sum, newClock()), win: 3500}
 			msgs := parse(t, verbatimTailConv(tc.askInTail))
 			out := s.step(msgs)
 			checkView(t, msgs, out)
@@ -213,7 +213,7 @@ func TestVerbatimTail(t *testing.T) {
 // next summarize folds the previous summary and the newer head messages.
 func TestReuseAndFold(t *testing.T) {
 	sum := okSummarizer()
-	s := &session{tb: t, e: New(baseConfig(), sum, newClock()), win: 3500}
+	s := &session{tb: t, e: newDriver(baseConfig(), sum, newClock()), win: 3500}
 	conv := verbatimTailConv(false)
 	msgs := parse(t, conv)
 	prev := s.step(msgs)
@@ -273,7 +273,7 @@ func TestHugeTail(t *testing.T) {
 }
 
 func hugeTail(t *testing.T, sum *fakeSummarizer, mustTrim bool) {
-	s := &session{tb: t, e: New(baseConfig(), sum, newClock()), win: 10000}
+	s := &session{tb: t, e: newDriver(baseConfig(), sum, newClock()), win: 10000}
 	conv := agentSteps(3, 1000)
 	huge := blob("store.py", 28000) // ≈ 7000 tokens: over the target, under the budget
 	conv = append(conv, callMsg("", `cat:bash:{"cmd":"cat store.py"}`), toolMsg("cat", huge))
@@ -325,7 +325,7 @@ func TestThrottle(t *testing.T) {
 	cfg.LatchGrowth = 0 // isolate the throttle
 	sum := failingSummarizer()
 	clock := newClock()
-	e := New(cfg, sum, clock)
+	e := newDriver(cfg, sum, clock)
 	msgs := parse(t, verbatimTailConv(false))
 	more := parse(t, append(verbatimTailConv(false), callMsg("", `z:edit:{}`), toolMsg("z", "ok")))
 	var st State
@@ -347,7 +347,7 @@ func TestThrottle(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			clock.Add(tc.advance)
 			out := e.Compact(context.Background(), Input{Messages: tc.msgs, Chain: chainOf(t, tc.msgs), State: st,
-				Window: 3500, Estimate: fakeEstimate, Summarize: true, IgnoreThrottle: tc.ignore})
+				Window: 3500, Estimate: fakeEstimate, Pass: recoverIf(tc.ignore)})
 			checkView(t, tc.msgs, out)
 			if out.StateChanged {
 				st = out.State
@@ -360,10 +360,10 @@ func TestThrottle(t *testing.T) {
 	t.Run("overflow recovery honours the latch", func(t *testing.T) {
 		cfg := baseConfig()
 		sum := failingSummarizer()
-		e := New(cfg, sum, newClock())
-		out := e.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 3500, Estimate: fakeEstimate, Summarize: true})
+		e := newDriver(cfg, sum, newClock())
+		out := e.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 3500, Estimate: fakeEstimate})
 		out = e.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), State: out.State, Window: 3500,
-			Estimate: fakeEstimate, Summarize: true, IgnoreThrottle: true, Measured: 5000})
+			Estimate: fakeEstimate, Pass: PassRecover, Measured: 5000})
 		if sum.Calls() != 1 || out.Events.Suppressed != SuppressedLatch {
 			t.Fatalf("calls %d, suppressed %q", sum.Calls(), out.Events.Suppressed)
 		}
@@ -391,8 +391,8 @@ func TestShadow(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			sum := okSummarizer()
 			msgs := parse(t, tc.msgs)
-			out := New(cfg, sum, newClock()).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
-				Window: tc.win, Estimate: fakeEstimate, Summarize: true})
+			out := newDriver(cfg, sum, newClock()).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
+				Window: tc.win, Estimate: fakeEstimate})
 			if len(out.Messages) != len(msgs) || &out.Messages[0] != &msgs[0] {
 				t.Fatal("shadow mode changed the forwarded view")
 			}
@@ -435,11 +435,11 @@ func TestInvariantFailure(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			sum := okSummarizer()
-			e := New(baseConfig(), sum, newClock())
-			e.corrupt = tc.corrupt
+			e := newDriver(baseConfig(), sum, newClock())
+			e.p.corrupt = tc.corrupt
 			msgs := parse(t, tc.msgs)
 			out := e.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), Window: tc.win,
-				Estimate: fakeEstimate, Summarize: true})
+				Estimate: fakeEstimate})
 			if !out.Events.InvariantFailure || &out.Messages[0] != &msgs[0] || len(out.Messages) != len(msgs) {
 				t.Fatalf("invariant failure %v, %d messages", out.Events.InvariantFailure, len(out.Messages))
 			}
@@ -461,8 +461,8 @@ func TestInvariantFailure(t *testing.T) {
 		if violations(msgs) == 0 {
 			t.Fatal("test conversation should be invalid")
 		}
-		out := New(baseConfig(), okSummarizer(), newClock()).Compact(context.Background(), Input{Messages: msgs,
-			Chain: chainOf(t, msgs), Window: 3500, Estimate: fakeEstimate, Summarize: true})
+		out := newDriver(baseConfig(), okSummarizer(), newClock()).Compact(context.Background(), Input{Messages: msgs,
+			Chain: chainOf(t, msgs), Window: 3500, Estimate: fakeEstimate})
 		if out.Events.InvariantFailure || out.Action != ActionSummarized {
 			t.Fatalf("action %q invariant %v", out.Action, out.Events.InvariantFailure)
 		}
@@ -473,7 +473,7 @@ func TestInvariantFailure(t *testing.T) {
 // only as many as needed, recorded and re-applied byte-identically.
 func TestTrim(t *testing.T) {
 	sum := okSummarizer()
-	s := &session{tb: t, e: New(baseConfig(), sum, newClock()), win: 10000}
+	s := &session{tb: t, e: newDriver(baseConfig(), sum, newClock()), win: 10000}
 	conv := agentSteps(6, 6000) // 6 × 1500 tokens
 	msgs := parse(t, conv)
 	out := s.step(msgs)
@@ -494,7 +494,7 @@ func TestTrim(t *testing.T) {
 	if len(trims) > 1 {
 		var fewer State
 		fewer.Trims = trims[:len(trims)-1]
-		p := (&run{e: s.e, msgs: msgs, n: len(msgs), chain: true, in: Input{Chain: chainOf(t, msgs)}, st: fewer,
+		p := (&run{cfg: &s.e.p.cfg, msgs: msgs, n: len(msgs), chain: true, in: Input{Chain: chainOf(t, msgs)}, st: fewer,
 			excerpts: map[[2]int]chat.Message{}, lead: 1}).reapply()
 		r := &run{msgs: msgs, n: len(msgs), excerpts: map[[2]int]chat.Message{}, blocks: map[*Summary][]chat.Message{}}
 		if fakeEstimate(r.view(p)).Tokens < out.Target {
@@ -531,7 +531,7 @@ func TestTrim(t *testing.T) {
 func TestDrop(t *testing.T) {
 	cfg := baseConfig()
 	cfg.SummarizerEnabled = false
-	s := &session{tb: t, e: New(cfg, nil, newClock()), win: 10000}
+	s := &session{tb: t, e: newDriver(cfg, nil, newClock()), win: 10000}
 	conv := agentSteps(100, 400) // results too short to excerpt: only a drop helps
 	for step := 0; step < 5; step++ {
 		msgs := parse(t, conv)
@@ -557,7 +557,7 @@ func TestDrop(t *testing.T) {
 // A dry run reports summarize_pending and never calls the summarizer.
 func TestDryRun(t *testing.T) {
 	sum := okSummarizer()
-	s := &session{tb: t, e: New(baseConfig(), sum, newClock()), win: 3500, dry: true}
+	s := &session{tb: t, e: newDriver(baseConfig(), sum, newClock()), win: 3500, dry: true}
 	msgs := parse(t, verbatimTailConv(false))
 	out := s.step(msgs)
 	checkView(t, msgs, out)
@@ -595,8 +595,8 @@ func TestSummaryFailures(t *testing.T) {
 				}
 				return tc.fn(ctx)
 			}
-			out := New(baseConfig(), sum, newClock()).Compact(ctx, Input{Messages: msgs, Chain: chainOf(t, msgs),
-				Window: 3500, Estimate: fakeEstimate, Summarize: true})
+			out := newDriver(baseConfig(), sum, newClock()).Compact(ctx, Input{Messages: msgs, Chain: chainOf(t, msgs),
+				Window: 3500, Estimate: fakeEstimate})
 			checkView(t, msgs, out)
 			if !errors.Is(out.Events.SummaryError, tc.wantErr) || out.Events.SummarizeOK || out.Action == ActionSummarized {
 				t.Fatalf("error %v ok %v action %q", out.Events.SummaryError, out.Events.SummarizeOK, out.Action)
@@ -627,8 +627,8 @@ func TestNoCompaction(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			sum := okSummarizer()
-			out := New(baseConfig(), sum, newClock()).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
-				Window: tc.win, MaxTokens: tc.max, Estimate: fakeEstimate, Summarize: true})
+			out := newDriver(baseConfig(), sum, newClock()).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
+				Window: tc.win, MaxTokens: tc.max, Estimate: fakeEstimate})
 			if out.Action != ActionNone || &out.Messages[0] != &msgs[0] || out.StateChanged || sum.Calls() != 0 {
 				t.Fatalf("action %q changed %v", out.Action, out.StateChanged)
 			}
@@ -638,9 +638,9 @@ func TestNoCompaction(t *testing.T) {
 		})
 	}
 	t.Run("stored summary re-applied with an unknown window", func(t *testing.T) {
-		e := New(baseConfig(), okSummarizer(), newClock())
-		first := e.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 3500, Estimate: fakeEstimate, Summarize: true})
-		out := e.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), State: first.State, Estimate: fakeEstimate, Summarize: true})
+		e := newDriver(baseConfig(), okSummarizer(), newClock())
+		first := e.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 3500, Estimate: fakeEstimate})
+		out := e.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), State: first.State, Estimate: fakeEstimate})
 		if out.Action != ActionReused || len(out.Messages) != len(first.Messages) {
 			t.Fatalf("action %q", out.Action)
 		}
@@ -654,7 +654,7 @@ func TestNoCompaction(t *testing.T) {
 			{20000, 15000, 15000},
 			{32768, 32000, 24576},
 		} {
-			out := New(baseConfig(), nil, nil).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
+			out := newDriver(baseConfig(), nil, nil).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
 				Window: tc.window, MaxTokens: tc.maxTokens, Estimate: fakeEstimate})
 			room := float64(tc.budget - out.Fixed)
 			if out.Fixed <= 0 || out.Budget != tc.budget || out.Trigger != out.Fixed+int(room*0.8) || out.Target != out.Fixed+int(room*0.6) {
@@ -666,13 +666,13 @@ func TestNoCompaction(t *testing.T) {
 
 // A stored summary does not apply to a conversation whose head differs.
 func TestSummaryKeyedByHead(t *testing.T) {
-	e := New(baseConfig(), okSummarizer(), newClock())
+	e := newDriver(baseConfig(), okSummarizer(), newClock())
 	msgs := parse(t, verbatimTailConv(false))
-	first := e.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 3500, Estimate: fakeEstimate, Summarize: true})
+	first := e.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 3500, Estimate: fakeEstimate})
 	edited := verbatimTailConv(false)
 	edited[1] = userMsg("a different ask")
 	msgs2 := parse(t, edited)
-	out := e.Compact(context.Background(), Input{Messages: msgs2, Chain: chainOf(t, msgs2), State: first.State, Window: 100000, Estimate: fakeEstimate, Summarize: true})
+	out := e.Compact(context.Background(), Input{Messages: msgs2, Chain: chainOf(t, msgs2), State: first.State, Window: 100000, Estimate: fakeEstimate})
 	if out.Action != ActionNone || len(out.Messages) != len(msgs2) {
 		t.Fatalf("action %q: a summary applied to another head", out.Action)
 	}
@@ -815,7 +815,7 @@ func TestUnescape(t *testing.T) {
 		if err := json.Unmarshal([]byte(lit), &want); err != nil {
 			t.Fatalf("%s: %v", lit, err)
 		}
-		if got := unescape([]byte(lit[1 : len(lit)-1])); got != want {
+		if got := chat.Unescape([]byte(lit[1 : len(lit)-1])); got != want {
 			t.Errorf("unescape(%s) = %q, want %q", lit, got, want)
 		}
 	}
@@ -824,7 +824,7 @@ func TestUnescape(t *testing.T) {
 // Trims that a summary then replaced are not reported (nor stored).
 func TestSummaryReplacesTrims(t *testing.T) {
 	sum := okSummarizer()
-	s := &session{tb: t, e: New(baseConfig(), sum, newClock()), win: 12000}
+	s := &session{tb: t, e: newDriver(baseConfig(), sum, newClock()), win: 12000}
 	msgs := parse(t, agentSteps(12, 6000))
 	out := s.step(msgs)
 	checkView(t, msgs, out)

@@ -112,11 +112,11 @@ func checkProperties(t *testing.T, seed int64, keepTail, mode int) {
 		cfg.SummarizerEnabled = false
 	}
 	clock := newClock()
-	var s Summarizer
+	var s summarizer
 	if sum != nil {
 		s = sum
 	}
-	e := New(cfg, s, clock)
+	e := newDriver(cfg, s, clock)
 
 	all := parse(t, conv)
 	allChain := chainOf(t, all)
@@ -130,7 +130,7 @@ func checkProperties(t *testing.T, seed int64, keepTail, mode int) {
 		clock.Add(5 * time.Second)
 		msgs := all[:n:n] // a prefix parses to the same messages
 		out := e.Compact(context.Background(), Input{Messages: msgs, Chain: allChain[:n+1], State: st,
-			Window: window, Estimate: fakeEstimate, Summarize: true})
+			Window: window, Estimate: fakeEstimate})
 		where := fmt.Sprintf("seed %d K %d mode %d n %d window %d", seed, keepTail, mode, n, window)
 		if out.Events.InvariantFailure {
 			t.Fatalf("%s: invariant failure", where)

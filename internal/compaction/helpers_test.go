@@ -95,6 +95,61 @@ func (c *fakeClock) Now() time.Time { c.mu.Lock(); defer c.mu.Unlock(); return c
 
 func (c *fakeClock) Add(d time.Duration) { c.mu.Lock(); c.t = c.t.Add(d); c.mu.Unlock() }
 
+// summarizer is what the driver obtains summaries from.
+type summarizer interface {
+	Summarize(ctx context.Context, req SummaryRequest) (string, error)
+}
+
+// driver runs the planner as the proxy does: plan; when the decision asks
+// for a summary, obtain it and plan the same input again with the answer.
+type driver struct {
+	p     *Planner
+	sum   summarizer
+	clock *fakeClock
+}
+
+// newDriver builds a planner from cfg; sum nil means no summarizer (the
+// summarize step is off), c nil a fresh fake clock.
+func newDriver(cfg Config, sum summarizer, c *fakeClock) *driver {
+	if sum == nil {
+		cfg.SummarizerEnabled = false
+	}
+	if c == nil {
+		c = newClock()
+	}
+	return &driver{p: NewPlanner(cfg), sum: sum, clock: c}
+}
+
+// Compact is one request: the decision, with the summary it asks for.
+func (d *driver) Compact(ctx context.Context, in Input) Output { return d.plan(ctx, in, true) }
+
+// plan decides at the clock's time; obtain false is a dry run (a preview:
+// a summary that is due is only reported).
+func (d *driver) plan(ctx context.Context, in Input, obtain bool) Output {
+	in.Now = d.clock.Now()
+	out := d.p.Plan(in)
+	if out.Need == nil || !obtain {
+		return out
+	}
+	text, err := d.sum.Summarize(ctx, *out.Need)
+	in.Summary = ResultFor(out.Need, text, err, ctx.Err() != nil)
+	return d.p.Plan(in)
+}
+
+func recoverIf(b bool) Pass {
+	if b {
+		return PassRecover
+	}
+	return PassForward
+}
+
+func backgroundIf(b bool) Pass {
+	if b {
+		return PassBackground
+	}
+	return PassForward
+}
+
 // fakeSummarizer records its calls and answers with fn.
 type fakeSummarizer struct {
 	mu     sync.Mutex
@@ -145,7 +200,7 @@ func blob(tag string, n int) string {
 // session runs Compact like the proxy: it carries the state between steps.
 type session struct {
 	tb    testing.TB
-	e     *Engine
+	e     *driver
 	st    State
 	win   int
 	last  Output
@@ -158,11 +213,11 @@ type session struct {
 
 func (s *session) step(msgs []chat.Message) Output {
 	s.tb.Helper()
-	out := s.e.Compact(context.Background(), Input{
+	out := s.e.plan(context.Background(), Input{
 		Messages: msgs, Chain: chainOf(s.tb, msgs), State: s.st,
-		Window: s.win, Estimate: fakeEstimate, Summarize: !s.dry,
+		Window: s.win, Estimate: fakeEstimate,
 		SummaryInUpstreamTokens: s.exact,
-	})
+	}, !s.dry)
 	if out.StateChanged {
 		s.st = out.State
 	}

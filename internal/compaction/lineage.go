@@ -18,7 +18,7 @@ const MaxLineages = 8
 // latch and throttle, matched by the digest chain of the history they apply
 // to, so neither overwrites the other's (DESIGN § Compaction).
 //
-// The engine sees one lineage's State (Input.State, Output.State); the
+// The planner sees one lineage's State (Input.State, Output.State); the
 // proxy selects the lineage with SelectLineage and stores the result with
 // SaveLineage. Anchors are kept per conversation, apart from lineages: they
 // are matched by digest already, and the response path writes them while a
@@ -132,7 +132,7 @@ func SaveLineage(ls []Lineage, l Lineage, base uint32, force bool) (out []Lineag
 }
 
 // WithAnchors returns the lineage's State with the conversation's anchors:
-// the Input.State the engine is given.
+// the Input.State the planner is given.
 func (l Lineage) WithAnchors(anchors []anchor.Anchor) State {
 	st := l.State
 	st.Anchors = anchors

@@ -19,7 +19,7 @@ func TestSmallWindowSummarizes(t *testing.T) {
 	cfg.SummaryTokens = DefaultSummaryTokens
 	cfg.ReserveTokens = 4096 // the default: capped at a quarter of the window
 	sum := okSummarizer()
-	s := &session{tb: t, e: New(cfg, sum, newClock()), win: 2048}
+	s := &session{tb: t, e: newDriver(cfg, sum, newClock()), win: 2048}
 	conv := agentSteps(1, 600)
 	summarized := 0
 	for step := 0; step < 30; step++ {
@@ -57,7 +57,7 @@ func TestIncrementalHead(t *testing.T) {
 	cfg := baseConfig()
 	cfg.MinInterval = 0
 	sum := okSummarizer()
-	s := &session{tb: t, e: New(cfg, sum, newClock()), win: 6000}
+	s := &session{tb: t, e: newDriver(cfg, sum, newClock()), win: 6000}
 	conv := agentSteps(2, 500)
 	for step := 0; step < 60 && sum.Calls() < 2; step++ {
 		msgs := parse(t, conv)
@@ -97,7 +97,7 @@ func TestIncrementalHead(t *testing.T) {
 func TestDropKeepsTaskAndInstruction(t *testing.T) {
 	cfg := baseConfig()
 	cfg.SummarizerEnabled = false
-	s := &session{tb: t, e: New(cfg, nil, newClock()), win: 4000}
+	s := &session{tb: t, e: newDriver(cfg, nil, newClock()), win: 4000}
 	conv := agentSteps(12, 400) // results too short to excerpt
 	instr := userMsg("now also add a unit test for the retry")
 	conv = append(conv, instr)
@@ -141,14 +141,14 @@ func TestFixedPartOverBudget(t *testing.T) {
 	big := agentSteps(3, 300)
 	big[0] = sysMsg(blob("system", 9000))
 	msgs := parse(t, big)
-	out := New(baseConfig(), sum, newClock()).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
-		Window: 2000, Estimate: fakeEstimate, Summarize: true})
+	out := newDriver(baseConfig(), sum, newClock()).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
+		Window: 2000, Estimate: fakeEstimate})
 	if !out.Events.Impossible || out.Action != ActionNone || sum.Calls() != 0 || &out.Messages[0] != &msgs[0] {
 		t.Fatalf("impossible %v action %q calls %d", out.Events.Impossible, out.Action, sum.Calls())
 	}
 	// The same conversation at a window that holds it is not impossible.
-	out = New(baseConfig(), sum, newClock()).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
-		Window: 100000, Estimate: fakeEstimate, Summarize: true})
+	out = newDriver(baseConfig(), sum, newClock()).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
+		Window: 100000, Estimate: fakeEstimate})
 	if out.Events.Impossible {
 		t.Fatal("impossible at a large window")
 	}
@@ -163,8 +163,8 @@ func TestTailRatio(t *testing.T) {
 		cfg.TailRatio = ratio
 		sum := okSummarizer()
 		msgs := parse(t, agentSteps(30, 800))
-		out := New(cfg, sum, newClock()).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
-			Window: 9000, Estimate: fakeEstimate, Summarize: true})
+		out := newDriver(cfg, sum, newClock()).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
+			Window: 9000, Estimate: fakeEstimate})
 		if out.Action != ActionSummarized {
 			t.Fatalf("ratio %v: action %q", ratio, out.Action)
 		}
@@ -189,12 +189,12 @@ func TestTailRatio(t *testing.T) {
 // the request that crosses the trigger applies it without a model call.
 func TestPresummarize(t *testing.T) {
 	sum := okSummarizer()
-	e := New(baseConfig(), sum, newClock())
+	e := newDriver(baseConfig(), sum, newClock())
 	conv := agentSteps(10, 1500)
 	var st State
 	run := func(msgs []chat.Message, pre bool) Output {
 		out := e.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), State: st,
-			Window: 10000, Estimate: fakeEstimate, Summarize: true, Presummarize: pre})
+			Window: 10000, Estimate: fakeEstimate, Pass: backgroundIf(pre)})
 		if out.StateChanged {
 			st = out.State
 		}
@@ -249,7 +249,7 @@ func floorLoop(t *testing.T, cfg Config, win, fixed, size int) *fakeSummarizer {
 	cfg.ReserveTokens = 4096
 	cfg.TailRatio = 0.3
 	sum := okSummarizer()
-	s := &session{tb: t, e: New(cfg, sum, newClock()), win: win}
+	s := &session{tb: t, e: newDriver(cfg, sum, newClock()), win: win}
 	conv := []msg{sysMsg(blob("tools", fixed)), userMsg(ask)}
 	for step := 0; step < 40; step++ {
 		id := fmt.Sprintf("q%d", step)
@@ -355,7 +355,7 @@ func TestSummaryBoundByItsLimit(t *testing.T) {
 	run := func(exact bool) (drops, calls int) {
 		cfg := smallSummaryConfig()
 		sum := sizedSummarizer(6)
-		s := &session{tb: t, e: New(cfg, sum, newClock()), win: 2048, exact: exact}
+		s := &session{tb: t, e: newDriver(cfg, sum, newClock()), win: 2048, exact: exact}
 		conv := []msg{sysMsg(blob("tools", 3500)), userMsg(ask)}
 		for step := range 40 {
 			id := fmt.Sprintf("q%d", step)
@@ -392,7 +392,7 @@ func TestSummaryBoundByItsLimit(t *testing.T) {
 func TestFinalTurnOverBudgetSummarizes(t *testing.T) {
 	cfg := smallSummaryConfig()
 	sum := sizedSummarizer(4)
-	s := &session{tb: t, e: New(cfg, sum, newClock()), win: 2048}
+	s := &session{tb: t, e: newDriver(cfg, sum, newClock()), win: 2048}
 	conv := []msg{sysMsg(blob("tools", 3500)), userMsg(ask)}
 	for step := range 8 {
 		id := fmt.Sprintf("q%d", step)
@@ -441,7 +441,7 @@ func TestBackgroundSummaryCutsForTheNextRequest(t *testing.T) {
 		id := fmt.Sprintf("p%d", i)
 		return append(slices.Clone(c), callMsg("", id+`:read:{}`), toolMsg(id, blob(id, 1500)))
 	}
-	probe := New(cfg, nil, newClock())
+	probe := newDriver(cfg, nil, newClock())
 	crosses := func(c []msg) bool {
 		out := probe.Compact(ctx, input(parse(t, c)))
 		return out.Context.Tokens >= out.Trigger
@@ -459,15 +459,15 @@ func TestBackgroundSummaryCutsForTheNextRequest(t *testing.T) {
 	// The background summary after the last response below the trigger,
 	// applied by the request that crosses it.
 	sum := okSummarizer()
-	e := New(cfg, sum, newClock())
+	e := newDriver(cfg, sum, newClock())
 	in := input(parse(t, conv))
-	in.Summarize, in.Presummarize = true, true
+	in.Pass = PassBackground
 	bg := e.Compact(ctx, in)
 	if bg.State.Pending == nil {
 		t.Fatal("no background summary made")
 	}
 	in = input(crossing)
-	in.Summarize, in.State = true, bg.State
+	in.State = bg.State
 	applied := e.Compact(ctx, in)
 	checkView(t, crossing, applied)
 	if applied.Action != ActionReused || sum.Calls() != 1 {
@@ -476,8 +476,7 @@ func TestBackgroundSummaryCutsForTheNextRequest(t *testing.T) {
 
 	// The same request making a summary of its own.
 	in = input(crossing)
-	in.Summarize = true
-	own := New(cfg, okSummarizer(), newClock()).Compact(ctx, in)
+	own := newDriver(cfg, okSummarizer(), newClock()).Compact(ctx, in)
 	if own.Action != ActionSummarized {
 		t.Fatalf("own summary: action %q", own.Action)
 	}

@@ -36,7 +36,7 @@ type State struct {
 
 	// Summary is the stored summary, nil when none.
 	Summary *Summary
-	// Pending is a summary made in the background (Input.Presummarize)
+	// Pending is a summary made in the background (PassBackground)
 	// and not applied yet: the request that crosses the trigger applies it
 	// instead of calling the summarizer, when its head still matches.
 	Pending *Summary
@@ -49,7 +49,7 @@ type State struct {
 	Drops []Drop
 
 	// Latched is true after a failed summarize: until the provider-visible
-	// message count reaches LatchCount + Config.LatchGrowth, the engine stays
+	// message count reaches LatchCount + Config.LatchGrowth, the planner stays
 	// on the trim-only path. A successful summarize releases it.
 	Latched    bool
 	LatchCount int

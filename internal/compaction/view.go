@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"strconv"
 	"strings"
-	"unicode/utf16"
 	"unicode/utf8"
 
 	"github.com/compactproxy/compactproxy/internal/chat"
@@ -92,6 +91,15 @@ func excerpt(text string, keep int) (string, bool) {
 		return text, false
 	}
 	return out, true
+}
+
+// Excerpt returns text cut to about keep bytes, two thirds from the head
+// and one third from the tail with a marker saying how much was elided
+// (text itself when that would not be shorter): the one head/tail excerpt
+// of the project (trims, and the summarizer's transcript).
+func Excerpt(text string, keep int) string {
+	out, _ := excerpt(text, keep)
+	return out
 }
 
 // markerFor is the line that replaces n elided characters.
@@ -201,7 +209,7 @@ func excerptJSON(lit []byte, keep int) (string, bool) {
 	if h < 0 || t < 0 || t <= h {
 		return "", false
 	}
-	head, tail := unescape(body[:h]), unescape(body[t:])
+	head, tail := chat.Unescape(body[:h]), chat.Unescape(body[t:])
 	// Move the cuts to line breaks when one is near, as excerpt does.
 	if nl := strings.LastIndexByte(head, '\n'); nl >= 0 && nl >= len(head)*3/4 {
 		elided += utf8.RuneCountInString(head[nl+1:])
@@ -243,83 +251,6 @@ func isHighSurrogate(hex []byte) bool {
 	return (hex[0] == 'd' || hex[0] == 'D') && strings.IndexByte("89abAB", hex[1]) >= 0
 }
 
-// unescape decodes a JSON string body that the parser already validated
-// (the pieces excerptJSON cuts start and end on character boundaries). A
-// lone surrogate becomes U+FFFD, as with encoding/json.
-func unescape(b []byte) string {
-	if bytes.IndexByte(b, '\\') < 0 {
-		return string(b)
-	}
-	out := make([]byte, 0, len(b))
-	for i := 0; i < len(b); {
-		j := bytes.IndexByte(b[i:], '\\')
-		if j < 0 {
-			out = append(out, b[i:]...)
-			break
-		}
-		out = append(out, b[i:i+j]...)
-		i += j
-		if i+1 >= len(b) {
-			break
-		}
-		c := b[i+1]
-		i += 2
-		switch c {
-		case 'n':
-			out = append(out, '\n')
-		case 't':
-			out = append(out, '\t')
-		case 'r':
-			out = append(out, '\r')
-		case 'b':
-			out = append(out, '\b')
-		case 'f':
-			out = append(out, '\f')
-		case 'u':
-			r := hex4(b[i:])
-			i += 4
-			if utf16.IsSurrogate(r) {
-				r2 := rune(-1)
-				if i+6 <= len(b) && b[i] == '\\' && b[i+1] == 'u' {
-					r2 = hex4(b[i+2:])
-				}
-				if d := utf16.DecodeRune(r, r2); d != utf8.RuneError {
-					r = d
-					i += 6
-				} else {
-					r = utf8.RuneError
-				}
-			}
-			out = utf8.AppendRune(out, r)
-		default: // " \ /
-			out = append(out, c)
-		}
-	}
-	return string(out)
-}
-
-// hex4 decodes four hex digits (-1 when b is short or not hex).
-func hex4(b []byte) rune {
-	if len(b) < 4 {
-		return -1
-	}
-	var r rune
-	for _, c := range b[:4] {
-		switch {
-		case c >= '0' && c <= '9':
-			c -= '0'
-		case c >= 'a' && c <= 'f':
-			c -= 'a' - 10
-		case c >= 'A' && c <= 'F':
-			c -= 'A' - 10
-		default:
-			return -1
-		}
-		r = r<<4 | rune(c)
-	}
-	return r
-}
-
 // summaryText is the content of the summary message.
 func summaryText(s *Summary, msgs []chat.Message) string {
 	var b strings.Builder
@@ -346,7 +277,7 @@ func summaryBlock(s *Summary, msgs []chat.Message) []chat.Message {
 	return out
 }
 
-// PairingView converts a view into pairing's minimal view (the engine
+// PairingView converts a view into pairing's minimal view (the planner
 // asserts its own output with it; the proxy checks client requests with it).
 func PairingView(view []chat.Message) []pairing.Message {
 	out := make([]pairing.Message, len(view))

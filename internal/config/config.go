@@ -64,7 +64,7 @@ type Auth struct {
 	AllowAnonymous bool     `mapstructure:"allow_anonymous" yaml:"allow_anonymous"`
 }
 
-// Compaction configures the compaction engine.
+// Compaction configures the compaction planner.
 type Compaction struct {
 	Enabled       bool    `mapstructure:"enabled" yaml:"enabled"`               // default true
 	Mode          string  `mapstructure:"mode" yaml:"mode"`                     // enforce|shadow

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"encoding/json"
+	"github.com/compactproxy/compactproxy/internal/compaction"
 	"net/http"
 	"regexp"
 
@@ -23,24 +24,23 @@ type previewResponse struct {
 // why. No upstream call and no state change, unless ?summarize=true, which
 // runs (and stores) a summary as a real request would.
 func (s *Server) handlePreview(w http.ResponseWriter, r *http.Request) {
-	ri := infoFrom(r.Context())
-	req, pb, ps, ok := s.readChatRequest(w, r)
-	if !ok {
+	// The chat path's first stages, then a decision that is not sent.
+	cr, err := s.readChat(w, r)
+	if err == nil {
+		defer cr.release()
+		err = s.pair(r, cr)
+	}
+	if err != nil {
+		s.answer(w, r, cr, err)
 		return
 	}
-	defer pb.release()
-	ci := &chatInfo{model: req.Model, messages: len(req.Messages), action: "none"}
-	ri.chat = ci
-	cr := &chatRequest{req: req, forward: req.Messages, respHeaders: http.Header{}, tenant: ps.tenant, parsed: ps}
-	if !s.checkPairing(w, r, cr, ci) {
-		return
-	}
-	summarize := r.URL.Query().Get("summarize") == "true"
-	cv := s.openConversation(r, cr)
+	cv := s.identify(r, cr)
 	// A dry run changes nothing and counts nothing; ?summarize=true is a
 	// real summarize, stored and counted like one made by a chat request.
-	out, _ := s.compact(r.Context(), r, cv, cr.forward, req.Model, req.MaxTokens,
-		compactOptions{enabled: s.cfg.Compaction.Enabled, summarize: summarize, commit: summarize})
+	summarize := r.URL.Query().Get("summarize") == "true"
+	out, _ := s.compact(r.Context(), r, cr, cv, compactOptions{pass: compaction.PassForward,
+		enabled: s.cfg.Compaction.Enabled, summarize: summarize, commit: summarize})
+	req := cr.req
 	window := s.windows.get(req.Model)
 	resp := previewResponse{
 		Messages:        make([]json.RawMessage, len(out.Messages)),
@@ -57,7 +57,7 @@ func (s *Server) handlePreview(w http.ResponseWriter, r *http.Request) {
 	for i, m := range out.Messages {
 		resp.Messages[i] = json.RawMessage(m.Raw)
 	}
-	ci.action = resp.Action
+	cr.info.action = resp.Action
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("X-Compactproxy-Conversation-Id", cv.id)
 	_ = json.NewEncoder(w).Encode(resp)

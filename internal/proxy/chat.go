@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"bytes"
-	"context"
 	"encoding/json"
 	"errors"
 	"net/http"
@@ -11,7 +10,41 @@ import (
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/chat"
+	"github.com/compactproxy/compactproxy/internal/compaction"
+	"go.uber.org/zap"
 )
+
+// handleChat is POST /v1/chat/completions, one stage per line (DESIGN §
+// Request path): read and parse the body, check tool pairing, identify the
+// conversation, compact, report the decision, send it upstream, recover
+// once from an overflow answer, relay the answer while recording the
+// usage it reports. A stage that ends the request returns an error; answer
+// writes it, whatever its kind, in one place.
+func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
+	ctx := r.Context()
+	cr, err := s.readChat(w, r) // read → parse
+	if err != nil {
+		s.answer(w, r, nil, err)
+		return
+	}
+	defer cr.release()
+	if err := s.pair(r, cr); err != nil {
+		s.answer(w, r, cr, err)
+		return
+	}
+	cv := s.identify(r, cr)
+	s.compactChat(ctx, r, cr, cv, compaction.PassForward)
+	s.report(cr, cv, compaction.PassForward)
+	resp, err := s.send(ctx, cr)
+	if s.recoverOnce(ctx, r, cr, cv, err) {
+		resp, err = s.send(ctx, cr)
+	}
+	if err != nil {
+		s.answer(w, r, cr, err)
+		return
+	}
+	s.relay(w, r, cr, resp, func(u anchor.Usage) { s.record(ctx, r, cr, cv, u) })
+}
 
 // writeUnauthorized answers a client without a key this proxy accepts.
 func writeUnauthorized(w http.ResponseWriter) {
@@ -19,26 +52,128 @@ func writeUnauthorized(w http.ResponseWriter) {
 		"compactproxy: a valid API key for this proxy is required (Authorization: Bearer <key>)")
 }
 
-// readChatRequest authorizes, reads and parses a chat-completions body
-// (chat and preview). It answers the client itself and returns false on
-// any problem: 401, 413, 400 in OpenAI's envelope, or 499 for a client that
-// went away mid-upload.
+// The errors a stage ends a request with; answer writes each.
+type (
+	// clientError is the client's own fault (bad JSON, a pairing
+	// violation), answered in OpenAI's envelope.
+	clientError struct {
+		status                   int
+		typ, code, param, detail string
+	}
+	// bodyError: the body could not be read (answerBodyError says how).
+	bodyError struct{ error }
+	// upstreamError: the upstream could not be reached or answer usefully
+	// (a fixed text per class, never the Go error).
+	upstreamError struct {
+		failure upstreamFailure
+		err     error
+	}
+	// upstreamAnswer is the upstream's own error answer (status ≥ 400),
+	// relayed to the client as it came.
+	upstreamAnswer struct {
+		status int
+		header http.Header
+		body   []byte
+	}
+)
+
+func (e *clientError) Error() string    { return e.detail }
+func (e *upstreamError) Error() string  { return e.failure.text }
+func (e *upstreamError) Unwrap() error  { return e.err }
+func (e *upstreamAnswer) Error() string { return "upstream answered " + http.StatusText(e.status) }
+
+// answer ends a request with err: the one place where a stage's error
+// becomes an answer. cr is nil before the request was parsed.
+func (s *Server) answer(w http.ResponseWriter, r *http.Request, cr *chatRequest, err error) {
+	ri := infoFrom(r.Context())
+	var (
+		ce *clientError
+		be bodyError
+		ue *upstreamError
+		ua *upstreamAnswer
+	)
+	switch {
+	case errors.As(err, &ce):
+		writeError(w, ce.status, ce.typ, ce.code, ce.param, ce.detail)
+	case errors.As(err, &be):
+		s.answerBodyError(w, r, be.error)
+	case errors.As(err, &ua):
+		s.writeHeaders(w, cr, ua.header)
+		w.WriteHeader(ua.status)
+		_, _ = w.Write(ua.body)
+	case errors.Is(err, errClientGone) || r.Context().Err() != nil:
+		ri.status = 499
+	case errors.As(err, &ue):
+		s.log.Warn("upstream request failed", zap.String("request_id", ri.id),
+			zap.String("upstream", s.chatLogURL), zap.String("error_class", ue.failure.code))
+		writeUpstreamFailure(w, ue.failure)
+	default:
+		writeError(w, http.StatusInternalServerError, "server_error", "", "", "compactproxy: internal error")
+	}
+}
+
+// chatRequest is one client request on its way through the proxy: data
+// only, filled by the stages in order.
+type chatRequest struct {
+	start   time.Time
+	reqID   string // the proxy's request id (logs, X-Request-Id)
+	req     *chat.Request
+	info    *chatInfo   // the access log's chat fields
+	headers http.Header // upstream headers
+	tenant  string
+	parsed  parsed
+	seedIn  seedInput // set by identify
+	// pairingClean: the parsed messages passed the pairing check with no
+	// violation (remembered by the parse cache entry of this body).
+	pairingClean bool
+	// forward is the view that will be sent; unchanged reports whether it
+	// is byte-for-byte the client's body (the fast path).
+	forward   []chat.Message
+	client    []chat.Message // the client's provider-visible view (after pairing repair)
+	unchanged bool
+	// compact: compaction applies to this request (enabled, no bypass).
+	compact bool
+	// decision is the compaction decision forward carries (compactChat).
+	decision compaction.Output
+	// inject is set when the proxy injected include_usage, so the
+	// usage-only chunk must not reach the client.
+	inject bool
+	// sent: the request went upstream once (a resend is recovery);
+	// upStart is when the answer being relayed was asked for.
+	sent    bool
+	upStart time.Time
+	// spent is time spent in summarize calls, excluded from overhead.
+	spent time.Duration
+	// pb is the pooled buffer the client's body was read into (nil when
+	// not pooled); outgoing bodies that point into it are tracked.
+	pb *pooledBody
+	// respHeaders are extra headers for the client (X-Compactproxy-*).
+	respHeaders http.Header
+}
+
+// release returns the request's body buffer to its pool (the request is
+// over).
+func (cr *chatRequest) release() { cr.pb.release() }
+
+// readChat authorizes, reads and parses a chat-completions body (chat and
+// preview): 401, 413, 408, 400 in OpenAI's envelope, or 499 for a client
+// that went away mid-upload, as the error.
 //
 // The body is parsed after the tenant's most similar recent body when one
 // shares leading messages with it (parseCache): those are not scanned,
-// hashed or chained again. The returned parsed says which.
+// hashed or chained again. The request's parsed says which.
 //
-// The body buffer may be pooled: the caller calls the returned pooledBody's
-// release (nil-safe) when the request is over.
-func (s *Server) readChatRequest(w http.ResponseWriter, r *http.Request) (*chat.Request, *pooledBody, parsed, bool) {
+// The body buffer may be pooled: the caller calls release when the request
+// is over.
+func (s *Server) readChat(w http.ResponseWriter, r *http.Request) (*chatRequest, error) {
+	start := time.Now()
 	if !s.auth.allow(r.Header) {
-		writeUnauthorized(w)
-		return nil, nil, parsed{}, false
+		return nil, &clientError{status: http.StatusUnauthorized, typ: "invalid_request_error", code: "invalid_api_key",
+			detail: "compactproxy: a valid API key for this proxy is required (Authorization: Bearer <key>)"}
 	}
 	pb, err := readBodyWithin(w, r, s.cfg.Limits.MaxBodyBytes, s.cfg.Limits.BodyReadTimeout)
 	if err != nil {
-		s.answerBodyError(w, r, err)
-		return nil, nil, parsed{}, false
+		return nil, bodyError{err}
 	}
 	ps := parsed{tenant: tenantOf(s.tenantSecret, r.Header)}
 	ps.key = s.parses.key(ps.tenant, conversationHeader(r, s.cfg.Compaction.ConversationHeaders), pb.buf)
@@ -52,17 +187,34 @@ func (s *Server) readChatRequest(w http.ResponseWriter, r *http.Request) (*chat.
 		pb.release()
 		var pe *chat.ParseError
 		if errors.As(err, &pe) {
-			writeInvalid(w, pe.Param, pe.Message)
-		} else {
-			writeInvalid(w, "", err.Error())
+			return nil, &clientError{status: http.StatusBadRequest, typ: "invalid_request_error", param: pe.Param, detail: pe.Message}
 		}
-		return nil, nil, parsed{}, false
+		return nil, &clientError{status: http.StatusBadRequest, typ: "invalid_request_error", detail: err.Error()}
 	}
 	ps.reused = reused
 	if reused == 0 {
 		ps.from = nil
 	}
-	return req, pb, ps, true
+	ci := &chatInfo{model: req.Model, stream: req.Stream, messages: len(req.Messages), action: "none"}
+	infoFrom(r.Context()).chat = ci
+	if req.UIOnlyRemoved > 0 {
+		s.metrics.UIOnlyRemoved.Add(float64(req.UIOnlyRemoved))
+	}
+	cr := &chatRequest{
+		start:       start,
+		reqID:       infoFrom(r.Context()).id,
+		req:         req,
+		info:        ci,
+		pb:          pb,
+		headers:     s.upstreamHeaders(r.Header),
+		tenant:      ps.tenant,
+		parsed:      ps,
+		forward:     req.Messages,
+		unchanged:   req.Unchanged(req.Messages),
+		respHeaders: http.Header{},
+	}
+	cr.respHeaders.Set("X-Compactproxy-Compaction", "none")
+	return cr, nil
 }
 
 // parsed is how a request's body was parsed: the tenant, its parse cache
@@ -119,73 +271,6 @@ func copyResponseHeaders(dst, src http.Header) {
 		}
 		dst[k] = append([]string(nil), vv...)
 	}
-}
-
-// chatRequest is one client request on its way through the proxy.
-type chatRequest struct {
-	start   time.Time
-	req     *chat.Request
-	headers http.Header // upstream headers
-	tenant  string
-	parsed  parsed
-	seedIn  seedInput // set by openConversation
-	// pairingClean: the parsed messages passed the pairing check with no
-	// violation (remembered by the parse cache entry of this body).
-	pairingClean bool
-	// forward is the view that will be sent; unchanged reports whether it
-	// is byte-for-byte the client's body (the fast path).
-	forward   []chat.Message
-	client    []chat.Message // the client's provider-visible view (after pairing repair)
-	unchanged bool
-	// inject is set when the proxy injected include_usage, so the
-	// usage-only chunk must not reach the client.
-	inject bool
-	// spent is time spent in summarize calls, excluded from overhead.
-	spent time.Duration
-	// onUsage is called with the normalized usage of a successful response,
-	// before its last byte is written to the client.
-	onUsage func(u anchor.Usage)
-	// recompact compacts again after an overflow answer; true when the
-	// view changed and the request should be sent again.
-	recompact func(ctx context.Context, info overflowInfo) bool
-	// pb is the pooled buffer the client's body was read into (nil when
-	// not pooled); outgoing bodies that point into it are tracked.
-	pb *pooledBody
-	// respHeaders are extra headers for the client (X-Compactproxy-*).
-	respHeaders http.Header
-}
-
-func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
-	ri := infoFrom(r.Context())
-	start := time.Now()
-	req, pb, ps, ok := s.readChatRequest(w, r)
-	if !ok {
-		return
-	}
-	defer pb.release()
-	ci := &chatInfo{model: req.Model, stream: req.Stream, messages: len(req.Messages), action: "none"}
-	ri.chat = ci
-	if req.UIOnlyRemoved > 0 {
-		s.metrics.UIOnlyRemoved.Add(float64(req.UIOnlyRemoved))
-	}
-	cr := &chatRequest{
-		start:       start,
-		req:         req,
-		pb:          pb,
-		headers:     s.upstreamHeaders(r.Header),
-		tenant:      ps.tenant,
-		parsed:      ps,
-		forward:     req.Messages,
-		unchanged:   req.Unchanged(req.Messages),
-		respHeaders: http.Header{},
-	}
-	cr.respHeaders.Set("X-Compactproxy-Compaction", "none")
-	if s.prepare != nil {
-		if done := s.prepare(w, r, cr, ci); done {
-			return
-		}
-	}
-	s.forwardChat(w, r, cr)
 }
 
 // injectUsage reports whether include_usage should be injected.

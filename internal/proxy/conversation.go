@@ -9,14 +9,12 @@ import (
 	"fmt"
 	"net/http"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
-	"github.com/compactproxy/compactproxy/internal/store"
 	"github.com/compactproxy/compactproxy/internal/summarizer"
 	"go.uber.org/zap"
 )
@@ -159,7 +157,7 @@ func (s *Server) estimator(memo *chainMemo, anchors []anchor.Anchor, identity st
 
 // chainMemo computes views' digest chains for one request. A request
 // measures several views that share leading messages (the client's view by
-// the proxy and by the engine, candidate compacted views, the forwarded
+// the proxy and by the planner, candidate compacted views, the forwarded
 // view again when its usage is recorded), and a chain is a function of the
 // seed and the messages' digests alone: a view whose first n digests are
 // those of a view already chained shares its first n+1 links, and only the
@@ -378,246 +376,6 @@ func (s *Server) rememberParse(cr *chatRequest, cv *conversation) {
 	s.parses.store(e, ps.from, req.Body)
 }
 
-// compactOptions selects what one run of the engine may do.
-type compactOptions struct {
-	enabled        bool // compaction applies to this request at all
-	summarize      bool // false: dry run, never call the summarizer
-	ignoreThrottle bool // overflow recovery
-	commit         bool // save the new state and count the events
-}
-
-// compact runs the engine over view (the client's provider-visible view):
-// load → select the lineage → decide → save. Without a known window, or
-// when compaction does not apply, it only estimates; when the state could
-// not be read (the store is down: fail open) it neither summarizes nor
-// saves. A summary that is due is
-// made by summarizeShared, detached from this request. It returns the
-// decision and the time spent summarizing or waiting for a summary
-// (excluded from overhead).
-func (s *Server) compact(ctx context.Context, r *http.Request, cv *conversation, view []chat.Message, model string, maxTokens int, o compactOptions) (compaction.Output, time.Duration) {
-	reqID := infoFrom(ctx).id
-	window := s.windows.get(model)
-	conv, loaded := s.loadConversation(ctx, reqID, cv.key)
-	estimateOnly := func() compaction.Output {
-		e := s.estimator(cv.memo, conv.Anchors, cv.identity)(view)
-		out := compaction.Output{Messages: view, Action: compaction.ActionNone, Context: e, Forwarded: e.Tokens}
-		out.Budget = compaction.Budget(window, s.cfg.Compaction.ReserveTokens, maxTokens)
-		return out
-	}
-	if !o.enabled || s.engine == nil || window == 0 {
-		return estimateOnly(), 0
-	}
-	chain, _, err := cv.memo.chain(view)
-	if err != nil {
-		s.metrics.CompactionErrors.Inc()
-		return estimateOnly(), 0
-	}
-	run := engineRun{cv: cv, view: view, chain: chain, window: window, maxTokens: maxTokens, model: model, o: o}
-	if !loaded {
-		// The state could not be read (the store is down or slow): no
-		// summary (it could be neither coordinated nor kept) and nothing
-		// stored, but the no-model-call steps (trim, and drop past the
-		// budget) still apply, so a conversation that outgrew the window
-		// is still answered instead of overflowing upstream.
-		out := s.runEngine(ctx, &run, store.Conversation{}, -1, false)
-		if o.commit {
-			s.countCompaction(reqID, out)
-		}
-		return out, 0
-	}
-	li := compaction.SelectLineage(conv.Lineages, chain)
-	dry := s.runEngine(ctx, &run, conv, li, false)
-	if !o.summarize || dry.Action != compaction.ActionSummarizePending {
-		if o.commit {
-			s.commitRun(ctx, reqID, &run, conv, li, dry, false)
-		}
-		return dry, 0
-	}
-	// A summary is due: made once per lineage (in this process and, with a
-	// shared store, across replicas), not under this client's context.
-	start := time.Now()
-	out, ok := s.summarizeShared(ctx, r, reqID, &run, conv, li, model)
-	if !ok {
-		// Another request or replica holds the lineage's summarize, the
-		// store could not lease it, or this client left: forward the
-		// trim-only view now, and store nothing (the summary's save
-		// supersedes it).
-		if o.commit {
-			s.countCompaction(reqID, dry)
-		}
-		return dry, time.Since(start)
-	}
-	return out, time.Since(start)
-}
-
-// engineRun is what one request hands the engine, besides the state.
-type engineRun struct {
-	cv        *conversation
-	view      []chat.Message
-	chain     []anchor.Digest
-	window    int
-	maxTokens int
-	model     string
-	o         compactOptions
-}
-
-// runEngine runs the engine on lineage li of conv (-1: a new lineage).
-// summarize false is the dry pass: the summarizer is never called, and a
-// summary that is due is reported as ActionSummarizePending.
-func (s *Server) runEngine(ctx context.Context, run *engineRun, conv store.Conversation, li int, summarize bool) compaction.Output {
-	var l compaction.Lineage
-	if li >= 0 {
-		l = conv.Lineages[li]
-	}
-	return s.engine.Compact(ctx, compaction.Input{
-		Messages:       run.view,
-		Chain:          run.chain,
-		State:          l.WithAnchors(conv.Anchors),
-		Window:         run.window,
-		MaxTokens:      run.maxTokens,
-		Estimate:       s.estimator(run.cv.memo, conv.Anchors, run.cv.identity),
-		Summarize:      summarize,
-		IgnoreThrottle: run.o.ignoreThrottle,
-
-		SummaryInUpstreamTokens: s.summaryInUpstreamTokens(run.model),
-	})
-}
-
-// commitRun counts the run's events and, when its state changed, stores
-// it as lineage li of conv (a new lineage when li is -1) through the
-// store's update: the lineage replaces the stored one only while that is
-// still the generation this run started from, unless force (a summarize
-// result); other lineages and the anchors are untouched.
-func (s *Server) commitRun(ctx context.Context, reqID string, run *engineRun, conv store.Conversation, li int, out compaction.Output, force bool) {
-	s.countCompaction(reqID, out)
-	if !out.StateChanged {
-		return
-	}
-	n := len(run.chain) - 1
-	l := compaction.Lineage{ID: compaction.LineageID(run.chain), TipLen: n, Tip: run.chain[n], Used: time.Now().Unix(), State: out.State}
-	var base uint32
-	if li >= 0 {
-		l.ID, base = conv.Lineages[li].ID, conv.Lineages[li].Gen
-	}
-	err := s.store.UpdateLineages(ctx, run.cv.key, func(ls []compaction.Lineage) ([]compaction.Lineage, bool) {
-		return compaction.SaveLineage(ls, l, base, force)
-	})
-	s.storeResult(reqID, "save", err)
-}
-
-// prepareChat is the request path between parsing and forwarding: pairing,
-// conversation identity, stored compaction, estimate, compaction, headers
-// and the usage hook that records the anchor.
-func (s *Server) prepareChat(w http.ResponseWriter, r *http.Request, cr *chatRequest, ci *chatInfo) bool {
-	if !s.checkPairing(w, r, cr, ci) {
-		return true
-	}
-	ctx := r.Context()
-	ri := infoFrom(ctx)
-	req := cr.req
-	cv := s.openConversation(r, cr)
-	ci.conversation = cv.id
-	cr.respHeaders.Set("X-Compactproxy-Conversation-Id", cv.id)
-	if s.windows.get(req.Model) == 0 {
-		s.metrics.UnknownWindow.Inc()
-		if s.windows.warnOnce(req.Model) {
-			s.log.Warn("context window unknown for model; not compacting", zap.String("model", req.Model))
-		}
-	}
-	bypass := strings.EqualFold(r.Header.Get("X-Compactproxy-Bypass"), "true")
-	opts := compactOptions{enabled: s.cfg.Compaction.Enabled && !bypass, summarize: true, commit: true}
-	cr.client = cr.forward
-	ctx = withSummarizeSource(ctx, req)
-	var last compaction.Output
-	run := func(ctx context.Context) {
-		out, spent := s.compact(ctx, r, cv, cr.client, req.Model, req.MaxTokens, opts)
-		last = out
-		cr.spent += spent
-		if out.Events.SummarizeCalled {
-			s.metrics.ObserveSummarize(out.Events.SummarizeOK, spent)
-		}
-		if out.Events.Impossible && !opts.ignoreThrottle {
-			s.metrics.CompactionImpossible.Inc()
-			if s.impossible.once(cv.key) {
-				s.log.Warn("fixed part over the budget; forwarding without compaction",
-					zap.String("request_id", ri.id), zap.String("conversation", cv.id),
-					zap.Int("fixed_tokens", out.Fixed), zap.Int("budget", out.Budget))
-			}
-		}
-		if !sameView(out.Messages, cr.forward) {
-			cr.forward = out.Messages
-			cr.unchanged = false
-		}
-		action := string(out.Action)
-		if action == string(compaction.ActionSummarizePending) && s.cfg.Compaction.Mode != "shadow" {
-			// Forwarded without the summary that is due (it is being made
-			// elsewhere, or the state is unreadable): say what the view
-			// carries instead.
-			action = viewAction(cr.client, out.Messages)
-		}
-		if action == "" || s.cfg.Compaction.Mode == "shadow" {
-			action = "none"
-		}
-		ci.action = action
-		ci.contextTokens = out.Context.Tokens
-		ci.contextSource = out.Context.Source
-		ci.forwardedTokens = out.Forwarded
-		cr.respHeaders.Set("X-Compactproxy-Compaction", action)
-		cr.respHeaders.Set("X-Compactproxy-Context-Tokens", strconv.Itoa(out.Context.Tokens))
-		cr.respHeaders.Set("X-Compactproxy-Context-Source", out.Context.Source)
-		cr.respHeaders.Set("X-Compactproxy-Forwarded-Tokens", strconv.Itoa(out.Forwarded))
-		if opts.ignoreThrottle {
-			return // the overflow retry: counted once, on the first pass
-		}
-		if out.Context.Source == anchor.SourceAnchor {
-			s.metrics.AnchorLookups.WithLabelValues("hit").Inc()
-		} else {
-			s.metrics.AnchorLookups.WithLabelValues("miss").Inc()
-		}
-		s.metrics.ContextTokens.Observe(float64(out.Context.Tokens))
-		s.metrics.ForwardedTokens.Observe(float64(out.Forwarded))
-	}
-	run(ctx)
-	s.rememberParse(cr, cv)
-	cr.recompact = func(ctx context.Context, info overflowInfo) bool {
-		if !opts.enabled || s.engine == nil {
-			return false
-		}
-		// The provider's count is a measurement of exactly what was sent.
-		if info.prompt > 0 {
-			s.recordAnchor(ctx, ri.id, cv, cr.forward, anchor.Usage{Input: info.prompt, Uncached: info.prompt, HasInput: true})
-		}
-		before, _, err := cv.memo.chain(cr.forward)
-		if err != nil {
-			return false
-		}
-		refused := before[len(before)-1]
-		opts.ignoreThrottle = true
-		run(ctx)
-		// Retry only with a view that differs from the refused one (by
-		// digest: an equal view would be refused again) and is estimated
-		// to fit. DESIGN asks for "under the new target"; we accept the
-		// budget: at a small window the final turn alone can leave the
-		// view between target and budget, and a view estimated (with the
-		// overflow's own measurement) to fit is a better answer than the
-		// upstream's 400.
-		after, _, err := cv.memo.chain(cr.forward)
-		if err != nil || after[len(after)-1] == refused {
-			return false
-		}
-		return last.Budget > 0 && last.Forwarded <= last.Budget
-	}
-	// The usage hook: record the provider's measurement for exactly the
-	// messages forwarded, before the response's last byte is written.
-	cr.onUsage = func(u anchor.Usage) {
-		s.recordAnchor(context.WithoutCancel(ctx), ri.id, cv, cr.forward, u)
-		if opts.enabled && s.nearTrigger(last, u) {
-			s.presummarize(ctx, r, ri.id, cv, cr.client, req.Model, req.MaxTokens)
-		}
-	}
-	return false
-}
-
 // recordAnchor stores the provider's measurement of exactly the messages
 // forwarded (one of the request's two writes) and feeds the calibration.
 func (s *Server) recordAnchor(ctx context.Context, reqID string, cv *conversation, view []chat.Message, u anchor.Usage) {
@@ -658,7 +416,7 @@ func (s *Server) recordAnchor(ctx context.Context, reqID string, cv *conversatio
 // viewAction names the strongest compaction a forwarded view carries
 // compared with the client's, in the header's order (a summary message,
 // one the proxy synthesized, is a re-applied summary here: a summary made
-// now is reported by the engine).
+// now is reported by the planner).
 func viewAction(client, forwarded []chat.Message) string {
 	if sameView(client, forwarded) {
 		return "none"
@@ -693,7 +451,7 @@ func sameView(a, b []chat.Message) bool {
 	return true
 }
 
-// countCompaction turns the engine's events into metrics and one log line.
+// countCompaction turns the planner's events into metrics and one log line.
 func (s *Server) countCompaction(reqID string, out compaction.Output) {
 	ev := out.Events
 	for _, a := range ev.NewActions {

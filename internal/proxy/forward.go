@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"io"
@@ -18,16 +19,24 @@ const maxErrorBody = 1 << 20
 // maxJSONBody bounds a non-streamed completion read to find its usage.
 const maxJSONBody = 256 << 20
 
-// forwardChat sends the chat request upstream (with retries and the
-// request-changing recoveries) and relays the answer.
-func (s *Server) forwardChat(w http.ResponseWriter, r *http.Request, cr *chatRequest) {
-	ctx := r.Context()
+// send is the send stage: the chat request upstream, with retries
+// (retry.*) and the stream_options fallback (an upstream that rejects the
+// injected stream_options gets the request again as the client wrote it;
+// only when that succeeds is the model identity remembered as not
+// supporting it). It returns the upstream's successful response (its body
+// still to relay), or the error that ends the request: *upstreamAnswer
+// for the upstream's own error answer, *upstreamError when there was no
+// usable answer, errClientGone when the client left.
+func (s *Server) send(ctx context.Context, cr *chatRequest) (*http.Response, error) {
 	ri := infoFrom(ctx)
-	cr.inject = s.injectUsage(cr.req)
-	recovered, streamOptionsResend := false, false
-	for first := true; ; first = false {
+	if !cr.sent {
+		cr.inject = s.injectUsage(cr.req)
+	}
+	streamOptionsResend := false
+	for {
 		body := cr.body()
-		if first { // the recoveries' resends are not overhead of the request path
+		if !cr.sent { // a resend (recovery) is not overhead of the request path
+			cr.sent = true
 			s.metrics.Overhead.Observe((time.Since(cr.start) - cr.spent).Seconds())
 		}
 		upStart := time.Now()
@@ -44,14 +53,9 @@ func (s *Server) forwardChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 		if err != nil {
 			ri.upstream = time.Since(upStart)
 			if ctx.Err() != nil {
-				ri.status = 499
-				return
+				return nil, errClientGone
 			}
-			f := classifyUpstream(err)
-			s.log.Warn("upstream request failed", zap.String("request_id", ri.id),
-				zap.String("upstream", s.chatLogURL), zap.String("error_class", f.code))
-			writeUpstreamFailure(w, f)
-			return
+			return nil, &upstreamError{failure: classifyUpstream(err), err: err}
 		}
 		if resp.StatusCode >= 400 {
 			errBody, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
@@ -67,25 +71,15 @@ func (s *Server) forwardChat(w http.ResponseWriter, r *http.Request, cr *chatReq
 				streamOptionsResend = true
 				continue
 			}
-			if !recovered && s.recoverOverflow != nil {
-				if s.recoverOverflow(ctx, cr, resp.StatusCode, errBody) {
-					recovered = true
-					s.metrics.UpstreamRetries.WithLabelValues("chat", "context_overflow").Inc()
-					continue
-				}
-			}
-			s.writeHeaders(w, cr, resp.Header)
-			w.WriteHeader(resp.StatusCode)
-			_, _ = w.Write(errBody)
-			return
+			return nil, &upstreamAnswer{status: resp.StatusCode, header: resp.Header, body: errBody}
 		}
 		if streamOptionsResend {
 			s.noStreamOptions.learn(s.modelIdentity(cr.req.Model))
 			s.log.Info("upstream rejects stream_options for this model; usage injection paused",
 				zap.String("request_id", ri.id), zap.Duration("for", s.cfg.Upstream.DiscoveryInterval))
 		}
-		s.relay(w, r, cr, resp, upStart)
-		return
+		cr.upStart = upStart
+		return resp, nil
 	}
 }
 
@@ -97,9 +91,11 @@ func (s *Server) writeHeaders(w http.ResponseWriter, cr *chatRequest, up http.He
 	}
 }
 
-// relay copies a successful upstream answer to the client: SSE event by
-// event, or a JSON body whole, reading usage before the last byte is sent.
-func (s *Server) relay(w http.ResponseWriter, r *http.Request, cr *chatRequest, resp *http.Response, upStart time.Time) {
+// relay is the relay stage: the successful upstream answer to the
+// client, SSE event by event or a JSON body whole, handing the usage it
+// reports to record before the last byte is sent.
+func (s *Server) relay(w http.ResponseWriter, r *http.Request, cr *chatRequest, resp *http.Response, record func(anchor.Usage)) {
+	upStart := cr.upStart
 	ri := infoFrom(r.Context())
 	defer resp.Body.Close()
 	defer func() { ri.upstream = time.Since(upStart); s.metrics.UpstreamDuration.Observe(ri.upstream.Seconds()) }()
@@ -110,7 +106,7 @@ func (s *Server) relay(w http.ResponseWriter, r *http.Request, cr *chatRequest, 
 		if f, ok := w.(http.Flusher); ok {
 			f.Flush()
 		}
-		err := relayEvents(w, resp.Body, cr.inject, func(u anchor.Usage) { s.usage(cr, u) })
+		err := relayEvents(w, resp.Body, cr.inject, record)
 		var broken streamBroken
 		switch {
 		case err == nil:
@@ -134,7 +130,7 @@ func (s *Server) relay(w http.ResponseWriter, r *http.Request, cr *chatRequest, 
 		return
 	}
 	if u, ok := anchor.UsageFromJSON(body); ok {
-		s.usage(cr, u)
+		record(u)
 	}
 	w.WriteHeader(resp.StatusCode)
 	_, _ = w.Write(body)
@@ -164,16 +160,4 @@ func (s *Server) abortStream(w http.ResponseWriter, ri *reqInfo, f upstreamFailu
 		}
 	}
 	panic(http.ErrAbortHandler)
-}
-
-// usage counts reported usage and hands it to the anchor hook.
-func (s *Server) usage(cr *chatRequest, u anchor.Usage) {
-	if u.HasInput {
-		s.metrics.UsageInputTokens.WithLabelValues("uncached").Add(float64(u.Uncached))
-		s.metrics.UsageInputTokens.WithLabelValues("cache_read").Add(float64(u.CacheRead))
-		s.metrics.UsageInputTokens.WithLabelValues("cache_write").Add(float64(u.CacheWrite))
-	}
-	if cr.onUsage != nil {
-		cr.onUsage(u)
-	}
 }

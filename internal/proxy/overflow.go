@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"context"
 	"encoding/json"
 	"regexp"
 	"strconv"
@@ -91,16 +90,16 @@ func parseOverflow(status int, body []byte) (overflowInfo, bool) {
 	return info, matched
 }
 
-// overflow is DESIGN step 5: an overflow answer received before any byte
-// reached the client records the reported size, learns n_ctx, compacts
-// (ignoring the throttle, honouring the latch) and asks for one retry.
-func (s *Server) overflow(ctx context.Context, cr *chatRequest, status int, body []byte) bool {
+// learnOverflow recognizes an upstream's context-overflow answer to cr
+// (DESIGN step 5) and learns the n_ctx it reports; recoverOnce does the
+// rest.
+func (s *Server) learnOverflow(cr *chatRequest, status int, body []byte) (overflowInfo, bool) {
 	info, ok := parseOverflow(status, body)
-	if !ok || cr.recompact == nil {
-		return false
+	if !ok {
+		return info, false
 	}
 	if info.nCtx > 0 {
 		s.windows.learn(cr.req.Model, info.nCtx)
 	}
-	return cr.recompact(ctx, info)
+	return info, true
 }

@@ -10,24 +10,26 @@ import (
 	"go.uber.org/zap"
 )
 
-// checkPairing applies pairing.mode to the client's view. It returns false
-// when it answered the client (strict mode, a violation).
+// pair applies pairing.mode to the client's view: in strict mode a
+// violation is the client's error (400 invalid_tool_pairing, the first
+// violation in message order); in repair mode the view is repaired.
 //
 // A body whose messages are all, and only, those of the parse cache entry
 // it was parsed after has that entry's verdict: Check is a function of
 // the messages' bytes, and an entry remembers only a clean one.
-func (s *Server) checkPairing(w http.ResponseWriter, r *http.Request, cr *chatRequest, ci *chatInfo) bool {
+func (s *Server) pair(r *http.Request, cr *chatRequest) error {
+	ci := cr.info
 	mode := s.cfg.Pairing.Mode
 	msgs := cr.forward
 	if e := cr.parsed.from; e != nil && e.pairingClean && cr.parsed.reused == len(msgs) && e.snap.Len() == len(msgs) && sameView(msgs, cr.req.Messages) {
 		cr.pairingClean = true
-		return true
+		return nil
 	}
 	pv := compaction.PairingView(msgs)
 	vs := pairing.Check(pv)
 	if len(vs) == 0 {
 		cr.pairingClean = sameView(msgs, cr.req.Messages)
-		return true
+		return nil
 	}
 	kinds := make([]string, 0, len(vs))
 	for _, v := range vs {
@@ -37,7 +39,7 @@ func (s *Server) checkPairing(w http.ResponseWriter, r *http.Request, cr *chatRe
 	ri := infoFrom(r.Context())
 	switch mode {
 	case "off":
-		return true
+		return nil
 	case "repair":
 		_, removed := pairing.Repair(pv)
 		cr.forward = applyRemovals(msgs, removed)
@@ -45,7 +47,7 @@ func (s *Server) checkPairing(w http.ResponseWriter, r *http.Request, cr *chatRe
 		cr.respHeaders.Set("X-Compactproxy-Pairing", "repaired")
 		ci.pairing = "repaired"
 		s.log.Info("pairing repaired", zap.String("request_id", ri.id), zap.Strings("kinds", kinds), zap.Int("removed", len(removed)))
-		return true
+		return nil
 	}
 	v := vs[0]
 	idx := v.Index
@@ -54,9 +56,8 @@ func (s *Server) checkPairing(w http.ResponseWriter, r *http.Request, cr *chatRe
 	}
 	ci.pairing = "rejected"
 	s.log.Info("pairing violation", zap.String("request_id", ri.id), zap.Strings("kinds", kinds))
-	writeError(w, http.StatusBadRequest, "invalid_request_error", "invalid_tool_pairing",
-		fmt.Sprintf("messages[%d]", idx), v.Describe(idx))
-	return false
+	return &clientError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "invalid_tool_pairing",
+		param: fmt.Sprintf("messages[%d]", idx), detail: v.Describe(idx)}
 }
 
 // applyRemovals applies pairing.Repair's removals to the chat messages:

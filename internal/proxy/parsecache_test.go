@@ -24,13 +24,13 @@ func readParsed(t *testing.T, s *Server, body []byte, key, conv string) (*chat.R
 		r.Header.Set("X-Compactproxy-Conversation", conv)
 	}
 	w := httptest.NewRecorder()
-	req, pb, ps, ok := s.readChatRequest(w, r)
-	if !ok {
-		t.Fatalf("readChatRequest: %d %s", w.Code, w.Body.String())
+	cr, err := s.readChat(w, r)
+	if err != nil {
+		t.Fatalf("readChat: %v", err)
 	}
 	// The buffer may be pooled: the test keeps what it needs of req only.
-	t.Cleanup(pb.release)
-	return req, ps
+	t.Cleanup(cr.release)
+	return cr.req, cr.parsed
 }
 
 // remember stores req as the chat path does after its digests are set.
@@ -74,11 +74,11 @@ func TestParseCacheReuseIsPerTenant(t *testing.T) {
 	}
 	// Neither does the anonymous tenant.
 	r := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", bytes.NewReader(next))
-	_, pb, ps4, ok := s.readChatRequest(httptest.NewRecorder(), r)
-	if !ok || ps4.reused != 0 {
-		t.Fatalf("anonymous request reused %d messages", ps4.reused)
+	cr4, err := s.readChat(httptest.NewRecorder(), r)
+	if err != nil || cr4.parsed.reused != 0 {
+		t.Fatalf("anonymous request: %v, reused %+v", err, cr4)
 	}
-	pb.release()
+	cr4.release()
 	// Another conversation header of the same tenant is another key.
 	_, ps5 := readParsed(t, s, next, "alice", "other")
 	if ps5.reused != 0 {

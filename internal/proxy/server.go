@@ -4,7 +4,6 @@
 package proxy
 
 import (
-	"context"
 	"crypto/rand"
 	"fmt"
 	"net/http"
@@ -14,6 +13,7 @@ import (
 	"github.com/compactproxy/compactproxy/internal/config"
 	"github.com/compactproxy/compactproxy/internal/metrics"
 	"github.com/compactproxy/compactproxy/internal/store"
+	"github.com/compactproxy/compactproxy/internal/summarizer"
 	"github.com/go-chi/chi/v5"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -47,7 +47,8 @@ type Server struct {
 	calibration  *anchor.Calibration
 	impossible   onceSet // conversations warned about a fixed part over the budget
 	local        anchor.LocalEstimator
-	engine       *compaction.Engine
+	planner      *compaction.Planner // nil when compaction is off
+	sum          *summarizer.Client  // nil when the summarizer is off
 	digests      *digestCache
 	parses       *parseCache
 	// summarizerIsUpstream: the summarizer is the chat upstream itself, so
@@ -58,14 +59,6 @@ type Server struct {
 	// noStreamOptions: model identities whose upstream rejected
 	// stream_options (upstream.stream_usage auto), for discovery_interval.
 	noStreamOptions *streamOptionsMemo
-
-	// prepare runs after parsing and before forwarding (pairing, anchors,
-	// compaction); it returns true when it already answered the client.
-	prepare func(w http.ResponseWriter, r *http.Request, cr *chatRequest, ci *chatInfo) bool
-	// recoverOverflow is asked about an upstream error answer before any
-	// byte reached the client; true means cr was changed and is to be
-	// sent again (DESIGN step 5).
-	recoverOverflow func(ctx context.Context, cr *chatRequest, status int, body []byte) bool
 }
 
 // New builds a Server from a validated configuration. reg is the registry the
@@ -115,10 +108,12 @@ func New(cfg config.Config, log *zap.Logger, reg *prometheus.Registry) (*Server,
 	s.local = anchor.NewLocalEstimator()
 	s.digests = newDigestCache(digestCacheEntries)
 	s.parses = newParseCache(parseCacheBytes)
-	s.prepare = s.prepareChat
-	s.recoverOverflow = s.overflow
 	if cfg.Compaction.Enabled {
-		s.engine = compaction.New(s.compactionConfig(), s.newSummarizer(), nil)
+		cc := s.compactionConfig()
+		if s.sum = s.newSummarizer(); s.sum == nil {
+			cc.SummarizerEnabled = false
+		}
+		s.planner = compaction.NewPlanner(cc)
 	}
 	s.handler = s.routes(reg)
 	return s, nil

@@ -36,97 +36,6 @@ func (s *Server) compactionConfig() compaction.Config {
 	}
 }
 
-// boundedSummarizer caps concurrent summarize calls in the whole process.
-type boundedSummarizer struct {
-	sum compaction.Summarizer
-	sem chan struct{}
-}
-
-func (b boundedSummarizer) Summarize(ctx context.Context, req compaction.SummaryRequest) (string, error) {
-	select {
-	case b.sem <- struct{}{}:
-	case <-ctx.Done():
-		return "", ctx.Err()
-	}
-	defer func() { <-b.sem }()
-	return b.sum.Summarize(ctx, req)
-}
-
-// newSummarizer builds the HTTP summarizer with the same retry policy as
-// chat, counted under op="summarize", bounded process-wide by
-// compaction.summarizer.max_concurrent.
-func (s *Server) newSummarizer() compaction.Summarizer {
-	c := s.cfg.Compaction.Summarizer
-	if !c.Enabled {
-		return nil
-	}
-	url := c.URL
-	if url == "" {
-		url = s.cfg.Upstream.URL
-	}
-	s.summarizerIsUpstream = strings.TrimRight(url, "/") == strings.TrimRight(s.cfg.Upstream.URL, "/")
-	key := c.APIKey.Reveal()
-	if key == "" && s.summarizerIsUpstream {
-		key = s.cfg.Upstream.APIKey.Reveal()
-	}
-	// DESIGN: max_completion_tokens for dialect openai, max_tokens
-	// otherwise; the summarizer has no dialect key of its own.
-	dialect := s.cfg.Upstream.Dialect
-	sum := summarizer.New(retryTransport{r: s.retrier, op: "summarize"}, summarizer.Options{
-		URL:       url,
-		APIKey:    key,
-		Model:     c.Model,
-		MaxTokens: c.MaxTokens,
-		Dialect:   dialect,
-		Timeout:   c.Timeout,
-	})
-	s.sumSem = make(chan struct{}, max(c.MaxConcurrent, 1))
-	return boundedSummarizer{sum: sum, sem: s.sumSem}
-}
-
-// summarizeContext carries what the summarizer may use of this request: the
-// requested model, the summarizer model's window and calibrated token
-// counter (when it is known like any window: the chat upstream's models,
-// or a model the models table names), and the client's credentials only
-// when the summarizer is the chat upstream itself and the proxy holds no
-// key of its own.
-//
-// It also adds what withSummarizeRequest derives from the client's request
-// when prepareChat left it on ctx (summarizeSource). It runs only when a
-// summarize is about to start, while the request's body is still valid:
-// the copies that summarize needs are made then, not on every request.
-func (s *Server) summarizeContext(ctx context.Context, r *http.Request, model string) context.Context {
-	if req := sourceOf(ctx); req != nil {
-		ctx = s.withSummarizeRequest(ctx, req)
-	}
-	ctx = summarizer.WithModel(ctx, model)
-	sumModel := s.cfg.Compaction.Summarizer.Model
-	if sumModel == "" {
-		sumModel = model
-	}
-	if s.summarizerIsUpstream {
-		if w := s.windows.get(sumModel); w > 0 {
-			ctx = summarizer.WithWindow(ctx, w)
-		}
-		fit := s.calibration.Fit(s.modelIdentity(sumModel))
-		ctx = summarizer.WithCounter(ctx, func(text string) int {
-			return textTokens(fit, len(text))
-		})
-	} else if w := s.windows.table[sumModel]; w > 0 {
-		ctx = summarizer.WithWindow(ctx, w)
-	}
-	if s.summarizerIsUpstream && s.cfg.Compaction.Summarizer.APIKey == "" && s.cfg.Upstream.APIKey == "" {
-		h := http.Header{}
-		for _, k := range []string{"Authorization", "X-Api-Key", "Api-Key"} {
-			if v := r.Header.Get(k); v != "" {
-				h.Set(k, v)
-			}
-		}
-		ctx = summarizer.WithCredentials(ctx, h)
-	}
-	return ctx
-}
-
 // textTokens is the calibrated estimate of n bytes of text sent as one
 // message: the local estimator's count of such a message, scaled by the
 // model's ratio (the request's fixed overhead is the summarizer's own
@@ -141,23 +50,6 @@ func textTokens(fit anchor.Fit, n int) int {
 	return int(math.Ceil(float64(local) * r))
 }
 
-// summarizeSource is the context key of the client's request, from which
-// summarizeContext derives the summarize request's shape.
-type summarizeSource struct{}
-
-// withSummarizeSource leaves req on ctx for summarizeContext: cheap, since
-// most requests never summarize.
-func withSummarizeSource(ctx context.Context, req *chat.Request) context.Context {
-	return context.WithValue(ctx, summarizeSource{}, req)
-}
-
-// sourceOf is the client's request withSummarizeSource left on ctx, nil
-// when none.
-func sourceOf(ctx context.Context) *chat.Request {
-	req, _ := ctx.Value(summarizeSource{}).(*chat.Request)
-	return req
-}
-
 // summaryInUpstreamTokens tells whether summaries for model are made by
 // the upstream's own model (the summarizer is the chat upstream, with no
 // other model configured): a summarize call's limit then bounds the
@@ -165,65 +57,6 @@ func sourceOf(ctx context.Context) *chat.Request {
 func (s *Server) summaryInUpstreamTokens(model string) bool {
 	sumModel := s.cfg.Compaction.Summarizer.Model
 	return s.summarizerIsUpstream && (sumModel == "" || sumModel == model)
-}
-
-// withSummarizeRequest adds to ctx what a summarize call may take from the
-// client's request when the summarizer is the chat upstream and model: a
-// Builder that writes the summarize request as a continuation of this very
-// request (same model, tools and other top-level fields as the client sent
-// them, so the forwarded prefix and the upstream's prompt cache are
-// shared), with tool_choice "none", no streaming, no output options that
-// would shape the summary (OpenAI's, and llama-server's and vLLM's own
-// length and format fields), and the summary's own token limit. It also
-// counts every summarize answer's reported usage.
-func (s *Server) withSummarizeRequest(ctx context.Context, req *chat.Request) context.Context {
-	ctx = summarizer.WithUsageHook(ctx, func(u anchor.Usage) {
-		s.metrics.SummarizeInputTokens.WithLabelValues("uncached").Add(float64(u.Uncached))
-		s.metrics.SummarizeInputTokens.WithLabelValues("cache_read").Add(float64(u.CacheRead))
-		s.metrics.SummarizeInputTokens.WithLabelValues("cache_write").Add(float64(u.CacheWrite))
-	})
-	if !s.summaryInUpstreamTokens(req.Model) {
-		return ctx
-	}
-	// The summarize runs detached from the request and may outlive its
-	// handler, whose body buffer is pooled: the builder keeps its own copy
-	// of the top-level fields (the messages array is replaced anyway).
-	own := &chat.Request{Fields: make([]chat.Field, 0, len(req.Fields))}
-	hasTools := false
-	for _, f := range req.Fields {
-		hasTools = hasTools || f.Key == "tools"
-		c := chat.Field{Key: strings.Clone(f.Key)}
-		if f.Key != "messages" {
-			c.Value = bytes.Clone(f.Value)
-		}
-		own.Fields = append(own.Fields, c)
-	}
-	return summarizer.WithBuilder(ctx, func(msgs []chat.Message, maxTokens int) []byte {
-		limit := []byte(strconv.Itoa(maxTokens))
-		maxKey, otherKey := "max_tokens", "max_completion_tokens"
-		if s.cfg.Upstream.Dialect == "openai" {
-			maxKey, otherKey = otherKey, maxKey
-		}
-		set := []chat.Field{
-			{Key: "stream", Value: []byte("false")},
-			{Key: maxKey, Value: limit},
-			{Key: otherKey}, {Key: "stream_options"}, {Key: "n"}, {Key: "response_format"},
-			{Key: "stop"}, {Key: "logprobs"}, {Key: "top_logprobs"}, {Key: "prediction"},
-			{Key: "parallel_tool_calls"},
-			// Servers' own length and format options win over max_tokens
-			// (llama-server reads n_predict first): a client's
-			// n_predict: 16 for its answers would cut the summary to 16
-			// tokens, a grammar would force its format on it.
-			{Key: "n_predict"}, {Key: "ignore_eos"}, {Key: "min_tokens"},
-			{Key: "grammar"}, {Key: "json_schema"},
-			{Key: "guided_json"}, {Key: "guided_regex"}, {Key: "guided_choice"}, {Key: "guided_grammar"},
-			{Key: "tool_choice"},
-		}
-		if hasTools {
-			set[len(set)-1].Value = []byte(`"none"`)
-		}
-		return own.Build(msgs, set)
-	})
 }
 
 // flights are the summarizes running in this process, by lease name: a
@@ -281,96 +114,6 @@ func leaseName(key string, ls []compaction.Lineage, li int) string {
 	return key + "|" + strconv.FormatUint(ls[li].ID, 16)
 }
 
-// summarizeShared makes the summary that is due for run's lineage, once:
-// in this process by a flight per lease name, across replicas by the
-// store's lease. The summarize runs detached from the request (its own
-// context, bounded by compaction.summarizer.timeout), so a client that
-// leaves or times out does not cancel it, and its retry finds it in
-// progress or made. The request waits, giving up when its own client
-// leaves. ok false: no summary for this request (held elsewhere, the store
-// failed, the client left, or the wait found nothing new); the caller
-// forwards the dry run's view.
-func (s *Server) summarizeShared(ctx context.Context, r *http.Request, reqID string, run *engineRun, conv store.Conversation, li int, model string) (compaction.Output, bool) {
-	// A request that waited on another request's (or a background)
-	// summary of its lineage and still needs one (that summary covered an
-	// older head) leads a summarize of its own once: falling back to the
-	// trim-only view would drop while the summarizer works.
-	for attempt := 0; ; attempt++ {
-		name := leaseName(run.cv.key, conv.Lineages, li)
-		fl, leader := s.flights.join(name)
-		if leader {
-			// Everything the detached run reads is its own: the request's
-			// body buffer is pooled and reused once the handler returns.
-			sctx := s.summarizeContext(context.WithoutCancel(ctx), r, model)
-			own := *run
-			own.view = detachMessages(run.view, sourceOf(ctx))
-			own.chain = slices.Clone(run.chain)
-			own.cv = &conversation{id: run.cv.id, key: run.cv.key, identity: run.cv.identity,
-				memo: &chainMemo{s: s, seed: run.cv.memo.seed}}
-			go s.summarizeFlight(sctx, reqID, name, fl, &own)
-		}
-		select {
-		case <-fl.done:
-		case <-ctx.Done():
-			return compaction.Output{}, false
-		}
-		if leader {
-			return fl.out, fl.ok
-		}
-		if !fl.ok {
-			return compaction.Output{}, false
-		}
-		// Another request's summary of this lineage: re-read the state and
-		// re-apply it to this request's own view (no summarize call).
-		var loaded bool
-		conv, loaded = s.loadConversation(ctx, reqID, run.cv.key)
-		if !loaded {
-			return compaction.Output{}, false
-		}
-		li = compaction.SelectLineage(conv.Lineages, run.chain)
-		out := s.runEngine(ctx, run, conv, li, false)
-		if out.Action == compaction.ActionSummarizePending {
-			if attempt == 0 {
-				continue
-			}
-			return compaction.Output{}, false
-		}
-		if run.o.commit {
-			s.commitRun(ctx, reqID, run, conv, li, out, false)
-		}
-		return out, true
-	}
-}
-
-// summarizeFlight is the detached summarize: lease, re-read (another
-// replica may have just saved it), run the engine with the summarizer,
-// save (the result supersedes what others recorded meanwhile), release.
-func (s *Server) summarizeFlight(ctx context.Context, reqID, name string, fl *flight, run *engineRun) {
-	defer s.flights.finish(name, fl)
-	timeout := s.cfg.Compaction.Summarizer.Timeout
-	if timeout <= 0 {
-		timeout = 60 * time.Second
-	}
-	release, ok, err := s.store.Lease(ctx, name, timeout+leaseMargin)
-	s.storeResult(reqID, "lock", err)
-	if err != nil || !ok {
-		return
-	}
-	defer release()
-	conv, loaded := s.loadConversation(ctx, reqID, run.cv.key)
-	if !loaded {
-		return
-	}
-	li := compaction.SelectLineage(conv.Lineages, run.chain)
-	ctx, cancel := context.WithTimeout(ctx, timeout+leaseMargin/2)
-	defer cancel()
-	out := s.runEngine(ctx, run, conv, li, true)
-	if run.o.commit {
-		s.commitRun(ctx, reqID, run, conv, li, out, out.Events.SummarizeCalled)
-	}
-	fl.out, fl.ok = out, true
-}
-
 // detachMessages deep-copies the bytes of msgs (Raw and Content alias the
 // request body, whose buffer is pooled), except those of the leading
 // messages that req (nil: none) shares with a parse cache snapshot: their
@@ -400,12 +143,269 @@ func detachMessages(msgs []chat.Message, req *chat.Request) []chat.Message {
 // its input will be at least this one's plus this answer.
 func (s *Server) nearTrigger(out compaction.Output, u anchor.Usage) bool {
 	ratio := s.cfg.Compaction.PresummarizeRatio
-	if ratio <= 0 || s.engine == nil || out.Budget <= 0 || out.Fixed >= out.Budget || !u.HasInput ||
+	if ratio <= 0 || s.planner == nil || out.Budget <= 0 || out.Fixed >= out.Budget || !u.HasInput ||
 		out.Action == compaction.ActionSummarized || s.cfg.Compaction.Mode == "shadow" {
 		return false
 	}
 	next := u.Input + u.Output
 	return next >= out.Fixed+int(ratio*float64(out.Budget-out.Fixed)) && next < out.Trigger
+}
+
+// waitBackground waits until no background summary runs (tests; a
+// drain).
+func (f *flights) waitBackground() { f.bg.Wait() }
+
+// newSummarizer builds the HTTP summarizer with the same retry policy as
+// chat, counted under op="summarize"; nil when the summarizer is off.
+// Calls are bounded process-wide by compaction.summarizer.max_concurrent
+// (summarize).
+func (s *Server) newSummarizer() *summarizer.Client {
+	c := s.cfg.Compaction.Summarizer
+	if !c.Enabled {
+		return nil
+	}
+	url := c.URL
+	if url == "" {
+		url = s.cfg.Upstream.URL
+	}
+	s.summarizerIsUpstream = strings.TrimRight(url, "/") == strings.TrimRight(s.cfg.Upstream.URL, "/")
+	key := c.APIKey.Reveal()
+	if key == "" && s.summarizerIsUpstream {
+		key = s.cfg.Upstream.APIKey.Reveal()
+	}
+	// DESIGN: max_completion_tokens for dialect openai, max_tokens
+	// otherwise; the summarizer has no dialect key of its own.
+	s.sumSem = make(chan struct{}, max(c.MaxConcurrent, 1))
+	return summarizer.New(retryTransport{r: s.retrier, op: "summarize"}, summarizer.Options{
+		URL:       url,
+		APIKey:    key,
+		Model:     c.Model,
+		MaxTokens: c.MaxTokens,
+		Dialect:   s.cfg.Upstream.Dialect,
+		Timeout:   c.Timeout,
+	})
+}
+
+// summaryCall is what a summarize call takes from the chat request it
+// serves (everything but the planner's request, which summarize adds): the
+// requested model; the summarizer model's window and calibrated token
+// counter when it is known like any window (the chat upstream's models, or
+// a model the models table names); the client's credentials only when the
+// summarizer is the chat upstream itself and the proxy holds no key of its
+// own; the prefix-shaped request builder when the summarizer is the chat
+// upstream and model; the usage counter. It is built only when a summarize
+// is about to start, while the request's body is still valid, and owns
+// every byte it keeps (the summarize may outlive the handler, whose body
+// buffer is pooled).
+func (s *Server) summaryCall(h http.Header, req *chat.Request) summarizer.Call {
+	call := summarizer.Call{
+		Model: req.Model,
+		OnUsage: func(u anchor.Usage) {
+			s.metrics.SummarizeInputTokens.WithLabelValues("uncached").Add(float64(u.Uncached))
+			s.metrics.SummarizeInputTokens.WithLabelValues("cache_read").Add(float64(u.CacheRead))
+			s.metrics.SummarizeInputTokens.WithLabelValues("cache_write").Add(float64(u.CacheWrite))
+		},
+	}
+	sumModel := s.cfg.Compaction.Summarizer.Model
+	if sumModel == "" {
+		sumModel = req.Model
+	}
+	if s.summarizerIsUpstream {
+		call.Window = s.windows.get(sumModel)
+		fit := s.calibration.Fit(s.modelIdentity(sumModel))
+		call.Count = func(text string) int { return textTokens(fit, len(text)) }
+	} else {
+		call.Window = s.windows.table[sumModel]
+	}
+	if s.summarizerIsUpstream && s.cfg.Compaction.Summarizer.APIKey == "" && s.cfg.Upstream.APIKey == "" {
+		call.Credentials = http.Header{}
+		for _, k := range []string{"Authorization", "X-Api-Key", "Api-Key"} {
+			if v := h.Get(k); v != "" {
+				call.Credentials.Set(k, v)
+			}
+		}
+	}
+	if s.summaryInUpstreamTokens(req.Model) {
+		call.Build = s.requestBuilder(req)
+	}
+	return call
+}
+
+// requestBuilder writes the summarize request as a continuation of the
+// client's very request when the summarizer is the chat upstream and
+// model: same model, tools and other top-level fields as the client sent
+// them, so the forwarded prefix and the upstream's prompt cache are shared,
+// with tool_choice "none", no streaming, no output options that would shape
+// the summary (OpenAI's, and llama-server's and vLLM's own length and
+// format fields), and the summary's own token limit. It keeps its own copy
+// of the top-level fields (the messages array is replaced anyway).
+func (s *Server) requestBuilder(req *chat.Request) summarizer.Builder {
+	own := &chat.Request{Fields: make([]chat.Field, 0, len(req.Fields))}
+	hasTools := false
+	for _, f := range req.Fields {
+		hasTools = hasTools || f.Key == "tools"
+		c := chat.Field{Key: strings.Clone(f.Key)}
+		if f.Key != "messages" {
+			c.Value = bytes.Clone(f.Value)
+		}
+		own.Fields = append(own.Fields, c)
+	}
+	maxKey, otherKey := "max_tokens", "max_completion_tokens"
+	if s.cfg.Upstream.Dialect == "openai" {
+		maxKey, otherKey = otherKey, maxKey
+	}
+	return func(msgs []chat.Message, maxTokens int) []byte {
+		set := []chat.Field{
+			{Key: "stream", Value: []byte("false")},
+			{Key: maxKey, Value: []byte(strconv.Itoa(maxTokens))},
+			{Key: otherKey}, {Key: "stream_options"}, {Key: "n"}, {Key: "response_format"},
+			{Key: "stop"}, {Key: "logprobs"}, {Key: "top_logprobs"}, {Key: "prediction"},
+			{Key: "parallel_tool_calls"},
+			// Servers' own length and format options win over max_tokens
+			// (llama-server reads n_predict first): a client's
+			// n_predict: 16 for its answers would cut the summary to 16
+			// tokens, a grammar would force its format on it.
+			{Key: "n_predict"}, {Key: "ignore_eos"}, {Key: "min_tokens"},
+			{Key: "grammar"}, {Key: "json_schema"},
+			{Key: "guided_json"}, {Key: "guided_regex"}, {Key: "guided_choice"}, {Key: "guided_grammar"},
+			{Key: "tool_choice"},
+		}
+		if hasTools {
+			set[len(set)-1].Value = []byte(`"none"`)
+		}
+		return own.Build(msgs, set)
+	}
+}
+
+// summarize obtains the summary need asks for, at most
+// compaction.summarizer.max_concurrent at a time in the process.
+func (s *Server) summarize(ctx context.Context, call summarizer.Call, need *compaction.SummaryRequest) (string, error) {
+	select {
+	case s.sumSem <- struct{}{}:
+	case <-ctx.Done():
+		return "", ctx.Err()
+	}
+	defer func() { <-s.sumSem }()
+	call.Request = *need
+	return s.sum.Summarize(ctx, call)
+}
+
+// summaryJob is a summary to make for one lineage, detached from the
+// request that needs it: its own copies of the view and chain, and what
+// the summarize call takes from the request.
+type summaryJob struct {
+	reqID string
+	run   planRun
+	call  summarizer.Call
+}
+
+// newSummaryJob detaches run: everything the job reads is its own (the
+// request's body buffer is pooled and reused once the handler returns).
+func (s *Server) newSummaryJob(r *http.Request, cr *chatRequest, run *planRun) *summaryJob {
+	own := *run
+	own.view = detachMessages(run.view, cr.req)
+	own.chain = slices.Clone(run.chain)
+	own.cv = &conversation{id: run.cv.id, key: run.cv.key, identity: run.cv.identity,
+		memo: &chainMemo{s: s, seed: run.cv.memo.seed}}
+	return &summaryJob{reqID: cr.reqID, run: own, call: s.summaryCall(r.Header, cr.req)}
+}
+
+// summarizeShared makes the summary that is due for job's lineage (li of
+// conv), once: in this process by a flight per lease name, across replicas
+// by the store's lease. The summarize runs detached from the request
+// (makeSummary), so a client that leaves or times out does not cancel it,
+// and its retry finds it in progress or made. The request waits, giving up
+// when its own client leaves. ok false: no summary for this request (held
+// elsewhere, the store failed, the client left, or the wait found nothing
+// new); the caller forwards the view without it.
+func (s *Server) summarizeShared(ctx context.Context, job *summaryJob, conv store.Conversation, li int) (compaction.Output, bool) {
+	run := &job.run
+	// A request that waited on another request's (or a background)
+	// summary of its lineage and still needs one (that summary covered an
+	// older head) leads a summarize of its own once: falling back to the
+	// view without it would drop while the summarizer works.
+	for attempt := 0; ; attempt++ {
+		name := leaseName(run.cv.key, conv.Lineages, li)
+		fl, leader := s.flights.join(name)
+		if leader {
+			go s.makeSummary(context.WithoutCancel(ctx), name, fl, job)
+		}
+		select {
+		case <-fl.done:
+		case <-ctx.Done():
+			return compaction.Output{}, false
+		}
+		if leader {
+			return fl.out, fl.ok
+		}
+		if !fl.ok {
+			return compaction.Output{}, false
+		}
+		// Another request's summary of this lineage: re-read the state and
+		// re-apply it to this request's own view (no summarize call).
+		var loaded bool
+		conv, loaded = s.loadConversation(ctx, job.reqID, run.cv.key)
+		if !loaded {
+			return compaction.Output{}, false
+		}
+		li = compaction.SelectLineage(conv.Lineages, run.chain)
+		out := s.planner.Plan(s.planInput(run, conv, li))
+		if out.Need != nil {
+			if attempt == 0 {
+				continue
+			}
+			return compaction.Output{}, false
+		}
+		if run.o.commit {
+			s.commitRun(ctx, job.reqID, run, conv, li, out, false)
+		}
+		return out, true
+	}
+}
+
+// makeSummary is the detached summarize of one lineage, for the request
+// path and background summaries alike: lease, re-read the state (another
+// replica may have just saved it), plan, obtain the summary the plan asks
+// for, plan again with it, save (a request's summary supersedes what
+// others recorded meanwhile: it cost a model call), release. fl reports
+// the decision to the requests waiting on it.
+func (s *Server) makeSummary(ctx context.Context, name string, fl *flight, job *summaryJob) {
+	defer s.flights.finish(name, fl)
+	run := &job.run
+	timeout := s.cfg.Compaction.Summarizer.Timeout
+	if timeout <= 0 {
+		timeout = 60 * time.Second
+	}
+	release, ok, err := s.store.Lease(ctx, name, timeout+leaseMargin)
+	s.storeResult(job.reqID, "lock", err)
+	if err != nil || !ok {
+		return
+	}
+	defer release()
+	conv, loaded := s.loadConversation(ctx, job.reqID, run.cv.key)
+	if !loaded {
+		return
+	}
+	li := compaction.SelectLineage(conv.Lineages, run.chain)
+	ctx, cancel := context.WithTimeout(ctx, timeout+leaseMargin/2)
+	defer cancel()
+	in := s.planInput(run, conv, li)
+	out := s.planner.Plan(in)
+	if need := out.Need; need != nil {
+		text, err := s.summarize(ctx, job.call, need)
+		in.Summary = compaction.ResultFor(need, text, err, ctx.Err() != nil)
+		out = s.planner.Plan(in)
+	}
+	background := run.o.pass == compaction.PassBackground
+	if background && out.Events.SummarizeCalled {
+		if out.Events.SummarizeOK {
+			s.metrics.Presummarize.WithLabelValues("success").Inc()
+		} else {
+			s.metrics.Presummarize.WithLabelValues("failure").Inc()
+		}
+	}
+	s.commitRun(ctx, job.reqID, run, conv, li, out, out.Events.SummarizeCalled && !background)
+	fl.out, fl.ok = out, true
 }
 
 // presummarize summarizes the conversation's head in the background after
@@ -414,76 +414,33 @@ func (s *Server) nearTrigger(out compaction.Output, u anchor.Usage) bool {
 // re-applies it instead of waiting for a model call. It runs like a
 // summarize due on a request (one flight per lineage, the store's lease,
 // max_concurrent, latch and throttle), detached from the client, on its
-// own copy of the messages (the request's body buffer is pooled).
-func (s *Server) presummarize(ctx context.Context, r *http.Request, reqID string, cv *conversation, view []chat.Message, model string, maxTokens int) {
-	window := s.windows.get(model)
-	if window == 0 {
+// own copy of the messages; when a summarize of the lineage is running
+// already, nothing more is done.
+func (s *Server) presummarize(ctx context.Context, r *http.Request, cr *chatRequest, cv *conversation) {
+	window := s.windows.get(cr.req.Model)
+	if window == 0 || s.planner == nil {
 		return
 	}
-	own := detachMessages(view, sourceOf(ctx))
-	ocv := &conversation{id: cv.id, key: cv.key, identity: cv.identity, memo: &chainMemo{s: s, seed: cv.memo.seed}}
-	chain, _, err := ocv.memo.chain(own)
+	chain, _, err := cv.memo.chain(cr.client)
 	if err != nil {
 		return
 	}
-	chain = slices.Clone(chain)
-	sctx := s.summarizeContext(context.WithoutCancel(ctx), r, model)
+	run := &planRun{cv: cv, view: cr.client, chain: chain, window: window, maxTokens: cr.req.MaxTokens, model: cr.req.Model,
+		o: compactOptions{pass: compaction.PassBackground, enabled: true, summarize: true, commit: true}}
+	job := s.newSummaryJob(r, cr, run)
 	s.flights.bg.Add(1)
 	go func() {
 		defer s.flights.bg.Done()
-		run := engineRun{cv: ocv, view: own, chain: chain, window: window, maxTokens: maxTokens, model: model,
-			o: compactOptions{enabled: true, summarize: true, commit: true}}
-		conv, loaded := s.loadConversation(sctx, reqID, ocv.key)
+		ctx := context.WithoutCancel(ctx)
+		conv, loaded := s.loadConversation(ctx, job.reqID, cv.key)
 		if !loaded {
 			return
 		}
-		name := leaseName(ocv.key, conv.Lineages, compaction.SelectLineage(conv.Lineages, chain))
+		name := leaseName(cv.key, conv.Lineages, compaction.SelectLineage(conv.Lineages, job.run.chain))
 		fl, leader := s.flights.join(name)
 		if !leader {
 			return // a summarize of this lineage is running already
 		}
-		defer s.flights.finish(name, fl)
-		timeout := s.cfg.Compaction.Summarizer.Timeout
-		if timeout <= 0 {
-			timeout = 60 * time.Second
-		}
-		release, ok, err := s.store.Lease(sctx, name, timeout+leaseMargin)
-		s.storeResult(reqID, "lock", err)
-		if err != nil || !ok {
-			return
-		}
-		defer release()
-		if conv, loaded = s.loadConversation(sctx, reqID, ocv.key); !loaded {
-			return
-		}
-		li := compaction.SelectLineage(conv.Lineages, chain)
-		var l compaction.Lineage
-		if li >= 0 {
-			l = conv.Lineages[li]
-		}
-		rctx, cancel := context.WithTimeout(sctx, timeout+leaseMargin/2)
-		defer cancel()
-		out := s.engine.Compact(rctx, compaction.Input{
-			Messages: run.view, Chain: run.chain, State: l.WithAnchors(conv.Anchors),
-			Window: window, MaxTokens: maxTokens,
-			Estimate:  s.estimator(ocv.memo, conv.Anchors, ocv.identity),
-			Summarize: true, Presummarize: true,
-
-			SummaryInUpstreamTokens: s.summaryInUpstreamTokens(model),
-		})
-		if out.Events.SummarizeCalled {
-			if out.Events.SummarizeOK {
-				s.metrics.Presummarize.WithLabelValues("success").Inc()
-			} else {
-				s.metrics.Presummarize.WithLabelValues("failure").Inc()
-			}
-		}
-		s.commitRun(rctx, reqID, &run, conv, li, out, false)
-		// Requests that joined this flight re-read the stored state.
-		fl.ok = true
+		s.makeSummary(ctx, name, fl, job)
 	}()
 }
-
-// waitBackground waits until no background summary runs (tests; a
-// drain).
-func (f *flights) waitBackground() { f.bg.Wait() }

@@ -1,6 +1,7 @@
 // Package summarizer is the HTTP summarizer: it asks an OpenAI-compatible
 // chat-completions endpoint for a structured resume of a conversation head
-// that an agent can continue from. It implements compaction.Summarizer.
+// that an agent can continue from. It answers the summary a compaction decision asks for
+// (compaction.SummaryRequest).
 //
 // The request is encoded with go-openai's types (a request compactproxy
 // builds itself; client requests are never re-encoded with them). Retries
@@ -30,7 +31,7 @@ import (
 var (
 	// ErrEmptySummary: the model answered without text.
 	ErrEmptySummary = errors.New("summarizer: empty summary")
-	// ErrNoModel: neither Options.Model nor the context names a model.
+	// ErrNoModel: neither Options.Model nor the call names a model.
 	ErrNoModel = errors.New("summarizer: no model")
 	// ErrStatus: the endpoint answered a non-2xx status (see StatusError).
 	ErrStatus = errors.New("summarizer: error status")
@@ -61,9 +62,9 @@ type Options struct {
 	// "http://127.0.0.1:8080/v1"; the call goes to URL + "/chat/completions".
 	URL string
 	// APIKey is sent as "Authorization: Bearer"; "" = the credentials the
-	// context carries (WithCredentials), else none.
+	// call carries (Call.Credentials), else none.
 	APIKey string
-	// Model is the summarizing model; "" = the request's model (WithModel).
+	// Model is the summarizing model; "" = the call's (Call.Model).
 	Model string
 	// MaxTokens bounds the summary when a call gives no limit of its own
 	// (0 = not sent).
@@ -75,7 +76,7 @@ type Options struct {
 	// beyond the context's.
 	Timeout time.Duration
 	// Window is the summarizer model's context window in tokens when the
-	// context carries none (WithWindow); 0 = unknown: never chunk. Every
+	// call names none (Call.Window); 0 = unknown: never chunk. Every
 	// request's prompt plus the tokens it asks for fits windowShare of it;
 	// a head that does not fit one request is summarized in chunks, each
 	// folded into the running summary.
@@ -99,12 +100,33 @@ func New(rt http.RoundTripper, opt Options) *Client {
 	return &Client{rt: rt, opt: opt}
 }
 
-type credentialsKey struct{}
-type modelKey struct{}
-type windowKey struct{}
-type counterKey struct{}
-type builderKey struct{}
-type usageKey struct{}
+// Call is one summarize call: the planner's request and everything the
+// call takes from the chat request it serves. Nothing travels in the
+// context but cancellation.
+type Call struct {
+	// Request is what to summarize (compaction.Output.Need).
+	Request compaction.SummaryRequest
+	// Model is the chat request's model, used when Options.Model is empty.
+	Model string
+	// Window is the summarizer model's context window (known like any
+	// window: configured, discovered or learned); 0 = Options.Window.
+	Window int
+	// Count estimates the tokens the summarizer model spends on text sent
+	// as one message (the proxy's calibrated estimate of that model); nil
+	// counts one token per fallbackBytesPerToken bytes.
+	Count Counter
+	// Build, when set, writes a request that continues the client's own
+	// (see Builder): the prefix-shaped request.
+	Build Builder
+	// Credentials are the client's credential headers (Authorization,
+	// X-Api-Key, Api-Key; others are ignored), sent only when
+	// Options.APIKey is empty: for a summarizer that is the chat upstream
+	// itself with no key of its own.
+	Credentials http.Header
+	// OnUsage, when set, receives the usage every answer reports
+	// (summarize_input_tokens_total).
+	OnUsage func(anchor.Usage)
+}
 
 // Builder writes a chat request body that continues the client's own
 // request: its top-level fields (model, tools and the rest, as the client
@@ -115,60 +137,16 @@ type usageKey struct{}
 // slot KV, a provider's prompt caching) covers the head.
 type Builder func(msgs []chat.Message, maxTokens int) []byte
 
-// WithBuilder returns ctx carrying b (see Builder).
-func WithBuilder(ctx context.Context, b Builder) context.Context {
-	return context.WithValue(ctx, builderKey{}, b)
-}
-
-// WithUsageHook returns ctx carrying a function that receives the usage
-// every summarize answer reports (summarize_input_tokens_total).
-func WithUsageHook(ctx context.Context, hook func(anchor.Usage)) context.Context {
-	return context.WithValue(ctx, usageKey{}, hook)
-}
-
 // Counter estimates the tokens the summarizer model spends on text sent as
-// one message (the proxy's calibrated estimate of that model).
+// one message.
 type Counter func(text string) int
-
-// WithWindow returns ctx carrying the summarizer model's context window
-// (known like any window: configured, discovered or learned).
-func WithWindow(ctx context.Context, window int) context.Context {
-	return context.WithValue(ctx, windowKey{}, window)
-}
-
-// WithCounter returns ctx carrying the calibrated token counter of the
-// summarizer model; without one, text counts one token per
-// fallbackBytesPerToken bytes.
-func WithCounter(ctx context.Context, c Counter) context.Context {
-	return context.WithValue(ctx, counterKey{}, c)
-}
 
 // credentialHeaders are the headers that carry a client's credentials.
 var credentialHeaders = []string{"Authorization", "X-Api-Key", "Api-Key"}
 
-// WithCredentials returns ctx carrying the client's credential headers
-// (Authorization, x-api-key, api-key; other headers are ignored), for the
-// case where the summarizer is the chat upstream itself and has no key of
-// its own. They are sent only when Options.APIKey is empty.
-func WithCredentials(ctx context.Context, header http.Header) context.Context {
-	h := make(http.Header, len(credentialHeaders))
-	for _, k := range credentialHeaders {
-		if v := header.Values(k); len(v) > 0 {
-			h[k] = append([]string(nil), v...)
-		}
-	}
-	return context.WithValue(ctx, credentialsKey{}, h)
-}
-
-// WithModel returns ctx carrying the request's model, used when
-// Options.Model is empty.
-func WithModel(ctx context.Context, model string) context.Context {
-	return context.WithValue(ctx, modelKey{}, model)
-}
-
 // Limits of what is sent.
 const (
-	// fallbackBytesPerToken counts tokens when the context carries no
+	// fallbackBytesPerToken counts tokens when the call carries no
 	// Counter. It is deliberately low (small-vocabulary tokenizers spend
 	// ~1.4 bytes per token on code): overcounting only makes chunks smaller.
 	fallbackBytesPerToken = 1.5
@@ -216,22 +194,23 @@ Rules:
 - When a previous summary is given, fold the transcript into it: keep what is still true, update what changed, drop what no longer matters.
 - Answer with the summary only, without preamble.`
 
-// Summarize returns a summary of req.Head that folds req.Previous (the
-// summary the head continues, "" when none), of at most req.MaxTokens
-// tokens (0 = Options.MaxTokens). It implements compaction.Summarizer.
+// Summarize returns a summary of call.Request.Head that folds its Previous
+// (the summary the head continues, "" when none), of at most its MaxTokens
+// tokens (0 = Options.MaxTokens).
 //
-// With a Builder in the context (the summarizer is the chat upstream and
+// With call.Build set (the summarizer is the chat upstream and
 // model), the request continues the forwarded prefix — req.Prefix, then one
 // user message with prefixInstruction — when that fits the window and the
 // prefix does not end on a user message. Otherwise it is a transcript: when
-// the summarizer model's window is known (WithWindow, else Options.Window),
-// every request fits it (the prompt, counted with the context's Counter,
+// the summarizer model's window is known (Call.Window, else Options.Window),
+// every request fits it (the prompt, counted with Call.Count,
 // plus the tokens it asks for stay within windowShare of the window); a
 // longer head is sent in chunks, each folded into the running summary.
-func (c *Client) Summarize(ctx context.Context, req compaction.SummaryRequest) (string, error) {
+func (c *Client) Summarize(ctx context.Context, call Call) (string, error) {
+	req := call.Request
 	model := c.opt.Model
 	if model == "" {
-		model, _ = ctx.Value(modelKey{}).(string)
+		model = call.Model
 	}
 	if model == "" {
 		return "", ErrNoModel
@@ -240,8 +219,8 @@ func (c *Client) Summarize(ctx context.Context, req compaction.SummaryRequest) (
 	if maxTokens <= 0 {
 		maxTokens = c.opt.MaxTokens
 	}
-	if body := c.prefixBody(ctx, req, maxTokens); body != nil {
-		return c.post(ctx, body)
+	if body := c.prefixBody(&call, maxTokens); body != nil {
+		return c.post(ctx, &call, body)
 	}
 	blocks := make([]string, 0, len(req.Head))
 	for i := range req.Head {
@@ -249,15 +228,15 @@ func (c *Client) Summarize(ctx context.Context, req compaction.SummaryRequest) (
 	}
 	summary := strings.TrimSpace(req.Previous)
 	prompt := systemPrompt
-	if win := c.window(ctx); win > 0 && counter(ctx)(systemPrompt) > win/8 {
+	if win := c.window(&call); win > 0 && call.counter()(systemPrompt) > win/8 {
 		prompt = shortSystemPrompt // a small window: leave the room to the transcript
 	}
-	chunks, err := c.chunks(ctx, blocks, summary, maxTokens, prompt)
+	chunks, err := c.chunks(&call, blocks, summary, maxTokens, prompt)
 	if err != nil {
 		return "", err
 	}
 	for _, chunk := range chunks {
-		s, err := c.call(ctx, model, summary, chunk, maxTokens, prompt)
+		s, err := c.call(ctx, &call, model, summary, chunk, maxTokens, prompt)
 		if err != nil {
 			return "", err
 		}
@@ -283,14 +262,14 @@ const keptInstruction = `Stop here; call no tool. The last %d messages above sta
 // window). With req.Kept (a background summary) it extends the whole view
 // as forwarded, so the upstream's cache of it survives the call, when that
 // fits and does not end on a user message; else the prefix alone.
-func (c *Client) prefixBody(ctx context.Context, req compaction.SummaryRequest, maxTokens int) []byte {
-	build, ok := ctx.Value(builderKey{}).(Builder)
-	if !ok || build == nil || len(req.Prefix) == 0 {
+func (c *Client) prefixBody(call *Call, maxTokens int) []byte {
+	req, build := &call.Request, call.Build
+	if build == nil || len(req.Prefix) == 0 {
 		return nil
 	}
 	fits := func(tokens int, instruction string) bool {
-		win := c.window(ctx)
-		return win <= 0 || tokens+counter(ctx)(instruction)+maxTokens <= int(float64(win)*windowShare)
+		win := c.window(call)
+		return win <= 0 || tokens+call.counter()(instruction)+maxTokens <= int(float64(win)*windowShare)
 	}
 	if k := len(req.Kept); k > 0 && req.Kept[k-1].Role != "user" {
 		instruction := fmt.Sprintf(keptInstruction, k)
@@ -311,18 +290,18 @@ func (c *Client) prefixBody(ctx context.Context, req compaction.SummaryRequest, 
 	return build(msgs, maxTokens)
 }
 
-// counter returns the context's Counter, else the byte fallback.
-func counter(ctx context.Context) Counter {
-	if f, ok := ctx.Value(counterKey{}).(Counter); ok && f != nil {
-		return f
+// counter returns the call's Counter, else the byte fallback.
+func (call *Call) counter() Counter {
+	if call.Count != nil {
+		return call.Count
 	}
 	return func(text string) int { return int(float64(len(text))/fallbackBytesPerToken) + 4 }
 }
 
 // window returns the summarizer model's window (0 = unknown).
-func (c *Client) window(ctx context.Context) int {
-	if w, ok := ctx.Value(windowKey{}).(int); ok && w > 0 {
-		return w
+func (c *Client) window(call *Call) int {
+	if call.Window > 0 {
+		return call.Window
 	}
 	return c.opt.Window
 }
@@ -332,12 +311,12 @@ func (c *Client) window(ctx context.Context) int {
 // everything fits). Room is reserved for the running summary as the larger
 // of its size now and maxTokens (later chunks fold a summary of up to that
 // size), and for the answer. A block larger than a chunk is cut to fit.
-func (c *Client) chunks(ctx context.Context, blocks []string, previous string, maxTokens int, prompt string) ([]string, error) {
-	win := c.window(ctx)
+func (c *Client) chunks(call *Call, blocks []string, previous string, maxTokens int, prompt string) ([]string, error) {
+	win := c.window(call)
 	if win <= 0 {
 		return []string{strings.Join(blocks, "")}, nil
 	}
-	count := counter(ctx)
+	count := call.counter()
 	sizes := make([]int, len(blocks))
 	total := 0
 	for i, b := range blocks {
@@ -361,7 +340,7 @@ func (c *Client) chunks(ctx context.Context, blocks []string, previous string, m
 		if t > capacity {
 			// Keep the share of its bytes that fits (the count is about
 			// proportional to the bytes), with a margin for the marker.
-			b = cut(b, max(len(b)*(capacity-16)/t, 64))
+			b = compaction.Excerpt(b, max(len(b)*(capacity-16)/t, 64))
 			t = count(b)
 		}
 		if curTokens > 0 && curTokens+t > capacity {
@@ -383,7 +362,7 @@ func (c *Client) chunks(ctx context.Context, blocks []string, previous string, m
 const foldInstruction = "Previous summary:\n<previous_summary>\n\n</previous_summary>\n\nThe conversation continued as follows. Fold it into the previous summary.\n<transcript>\n</transcript>"
 
 // call makes one transcript-shaped summarize request.
-func (c *Client) call(ctx context.Context, model, previous, transcript string, maxTokens int, prompt string) (string, error) {
+func (c *Client) call(ctx context.Context, call *Call, model, previous, transcript string, maxTokens int, prompt string) (string, error) {
 	var user strings.Builder
 	if previous != "" {
 		user.WriteString("Previous summary:\n<previous_summary>\n")
@@ -412,12 +391,12 @@ func (c *Client) call(ctx context.Context, model, previous, transcript string, m
 	if err != nil {
 		return "", fmt.Errorf("summarizer: encode: %w", err)
 	}
-	return c.post(ctx, body)
+	return c.post(ctx, call, body)
 }
 
 // post sends one summarize request body and returns the answer's text,
-// reporting the answer's usage to the context's hook.
-func (c *Client) post(ctx context.Context, body []byte) (string, error) {
+// reporting the answer's usage to the call's OnUsage.
+func (c *Client) post(ctx context.Context, call *Call, body []byte) (string, error) {
 	if c.opt.Timeout > 0 {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, c.opt.Timeout)
@@ -431,9 +410,11 @@ func (c *Client) post(ctx context.Context, body []byte) (string, error) {
 	hr.Header.Set("Accept", "application/json")
 	if c.opt.APIKey != "" {
 		hr.Header.Set("Authorization", "Bearer "+c.opt.APIKey)
-	} else if h, ok := ctx.Value(credentialsKey{}).(http.Header); ok {
-		for k, v := range h {
-			hr.Header[k] = v
+	} else {
+		for _, k := range credentialHeaders {
+			if v := call.Credentials.Values(k); len(v) > 0 {
+				hr.Header[k] = append([]string(nil), v...)
+			}
 		}
 	}
 	resp, err := c.rt.RoundTrip(hr)
@@ -452,9 +433,9 @@ func (c *Client) post(ctx context.Context, body []byte) (string, error) {
 	if err := json.Unmarshal(data, &out); err != nil {
 		return "", fmt.Errorf("%w: %v", ErrBadResponse, err)
 	}
-	if hook, ok := ctx.Value(usageKey{}).(func(anchor.Usage)); ok && hook != nil {
+	if call.OnUsage != nil {
 		if u, ok := anchor.UsageFromJSON(data); ok {
-			hook(u)
+			call.OnUsage(u)
 		}
 	}
 	if len(out.Choices) == 0 {
@@ -515,7 +496,7 @@ func renderMessage(m *chat.Message) string {
 		limit = maxToolOutput
 	}
 	if text != "" {
-		b.WriteString(cut(text, limit))
+		b.WriteString(compaction.Excerpt(text, limit))
 		b.WriteByte('\n')
 	}
 	if m.MediaParts > 0 {
@@ -525,10 +506,10 @@ func renderMessage(m *chat.Message) string {
 		var rm rawMessage
 		if json.Unmarshal(m.Raw, &rm) == nil {
 			for _, tc := range rm.ToolCalls {
-				fmt.Fprintf(&b, "(calls %s [%s] with %s)\n", tc.Function.Name, tc.ID, cut(arguments(tc.Function.Arguments), 2000))
+				fmt.Fprintf(&b, "(calls %s [%s] with %s)\n", tc.Function.Name, tc.ID, compaction.Excerpt(arguments(tc.Function.Arguments), 2000))
 			}
 			if fc := rm.FunctionCall; fc != nil {
-				fmt.Fprintf(&b, "(calls %s with %s)\n", fc.Name, cut(arguments(fc.Arguments), 2000))
+				fmt.Fprintf(&b, "(calls %s with %s)\n", fc.Name, compaction.Excerpt(arguments(fc.Arguments), 2000))
 			}
 		}
 	}
@@ -545,22 +526,3 @@ func arguments(raw json.RawMessage) string {
 	}
 	return string(raw)
 }
-
-// cut keeps about limit bytes of s: two thirds from the head and one third
-// from the tail, cut at rune boundaries, with a marker in between.
-func cut(s string, limit int) string {
-	if len(s) <= limit {
-		return s
-	}
-	h := limit * 2 / 3
-	t := len(s) - (limit - h)
-	for h > 0 && !isRuneStart(s[h]) {
-		h--
-	}
-	for t < len(s) && !isRuneStart(s[t]) {
-		t++
-	}
-	return s[:h] + fmt.Sprintf("\n[... %d bytes omitted ...]\n", t-h) + s[t:]
-}
-
-func isRuneStart(b byte) bool { return b&0xC0 != 0x80 }

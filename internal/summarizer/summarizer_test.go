@@ -18,8 +18,6 @@ import (
 	"github.com/compactproxy/compactproxy/internal/compaction"
 )
 
-var _ compaction.Summarizer = (*Client)(nil)
-
 // recorded is one request the fake endpoint received.
 type recorded struct {
 	Path   string
@@ -101,7 +99,7 @@ func TestRequest(t *testing.T) {
 	for _, tc := range []struct {
 		name       string
 		opt        Options
-		ctx        func(context.Context) context.Context
+		call       func(*Call)
 		wantModel  string
 		wantAuth   string
 		wantAPIKey string
@@ -111,18 +109,18 @@ func TestRequest(t *testing.T) {
 		{"openai dialect, own key", Options{Model: "gpt-sum", APIKey: "sk-sum", MaxTokens: 512, Dialect: "openai"},
 			nil, "gpt-sum", "Bearer sk-sum", "", "max_completion_tokens", "max_tokens"},
 		{"llamacpp dialect, request model, client credentials", Options{MaxTokens: 512, Dialect: "llamacpp"},
-			func(ctx context.Context) context.Context {
+			func(call *Call) {
 				h := http.Header{}
 				h.Set("Authorization", "Bearer client-key")
 				h.Set("X-Api-Key", "client-x")
 				h.Set("Cookie", "not-a-credential")
-				return WithModel(WithCredentials(ctx, h), "qwen3-27b")
+				call.Credentials, call.Model = h, "qwen3-27b"
 			}, "qwen3-27b", "Bearer client-key", "client-x", "max_tokens", "max_completion_tokens"},
 		{"own key wins over client credentials", Options{Model: "m", APIKey: "sk-sum", MaxTokens: 100},
-			func(ctx context.Context) context.Context {
+			func(call *Call) {
 				h := http.Header{}
 				h.Set("Authorization", "Bearer client-key")
-				return WithCredentials(ctx, h)
+				call.Credentials = h
 			}, "m", "Bearer sk-sum", "", "max_tokens", "max_completion_tokens"},
 		{"no credentials", Options{Model: "m", MaxTokens: 100, Dialect: "vllm"}, nil, "m", "", "", "max_tokens", "max_completion_tokens"},
 	} {
@@ -130,11 +128,11 @@ func TestRequest(t *testing.T) {
 			ep := newEndpoint(t, nil)
 			tc.opt.URL = ep.URL + "/v1/"
 			c := New(ep.Client().Transport, tc.opt)
-			ctx := context.Background()
-			if tc.ctx != nil {
-				ctx = tc.ctx(ctx)
+			call := Call{Request: compaction.SummaryRequest{Head: agentHead(t, 2, 100), Previous: "", MaxTokens: 0}}
+			if tc.call != nil {
+				tc.call(&call)
 			}
-			got, err := c.Summarize(ctx, compaction.SummaryRequest{Head: agentHead(t, 2, 100), Previous: "", MaxTokens: 0})
+			got, err := c.Summarize(context.Background(), call)
 			if err != nil || got != "## Goal\nsummary 1" {
 				t.Fatalf("%q %v", got, err)
 			}
@@ -174,7 +172,7 @@ func TestPrompt(t *testing.T) {
 	ep := newEndpoint(t, nil)
 	c := New(ep.Client().Transport, Options{URL: ep.URL + "/v1", Model: "m"})
 	h := agentHead(t, 2, 50000)
-	if _, err := c.Summarize(context.Background(), compaction.SummaryRequest{Head: h, Previous: "## Goal\nearlier summary", MaxTokens: 0}); err != nil {
+	if _, err := c.Summarize(context.Background(), Call{Request: compaction.SummaryRequest{Head: h, Previous: "## Goal\nearlier summary", MaxTokens: 0}}); err != nil {
 		t.Fatal(err)
 	}
 	r := ep.requests()[0]
@@ -189,7 +187,7 @@ func TestPrompt(t *testing.T) {
 		"[user]\nadd a retry to fetch_rows in store.py",
 		`(calls bash [call_0] with {"cmd":"cat file0.py"})`,
 		"[tool result for call_1]\noutput 1",
-		"bytes omitted ...]",
+		"characters elided by compactproxy ...]",
 	} {
 		if !strings.Contains(r.User, want) {
 			t.Errorf("user message lacks %q", want)
@@ -210,8 +208,7 @@ func TestChunking(t *testing.T) {
 	// A small-vocabulary tokenizer: 1.4 bytes per token, the rate the issue
 	// measured, counted independently of the client's fallback.
 	count := func(text string) int { return len(text)*10/14 + 4 }
-	ctx := WithCounter(context.Background(), count)
-	got, err := c.Summarize(ctx, compaction.SummaryRequest{Head: h, Previous: "## Goal\nolder summary", MaxTokens: 0})
+	got, err := c.Summarize(context.Background(), Call{Count: count, Request: compaction.SummaryRequest{Head: h, Previous: "## Goal\nolder summary", MaxTokens: 0}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -248,7 +245,7 @@ func TestChunking(t *testing.T) {
 	}
 	// Without a window, one call.
 	ep2 := newEndpoint(t, nil)
-	if _, err := New(ep2.Client().Transport, Options{URL: ep2.URL + "/v1", Model: "m"}).Summarize(context.Background(), compaction.SummaryRequest{Head: h, Previous: "", MaxTokens: 0}); err != nil || len(ep2.requests()) != 1 {
+	if _, err := New(ep2.Client().Transport, Options{URL: ep2.URL + "/v1", Model: "m"}).Summarize(context.Background(), Call{Request: compaction.SummaryRequest{Head: h, Previous: "", MaxTokens: 0}}); err != nil || len(ep2.requests()) != 1 {
 		t.Fatalf("unknown window: %d calls, %v", len(ep2.requests()), err)
 	}
 }
@@ -318,7 +315,7 @@ func TestErrors(t *testing.T) {
 				opt.Model = "m"
 			}
 			start := time.Now()
-			_, err := New(ep.Client().Transport, opt).Summarize(context.Background(), compaction.SummaryRequest{Head: agentHead(t, 1, 10), Previous: "", MaxTokens: 0})
+			_, err := New(ep.Client().Transport, opt).Summarize(context.Background(), Call{Request: compaction.SummaryRequest{Head: agentHead(t, 1, 10), Previous: "", MaxTokens: 0}})
 			if err == nil {
 				t.Fatal("no error")
 			}
@@ -371,14 +368,18 @@ func TestPrefixShape(t *testing.T) {
 	var built [][]chat.Message
 	var limits []int
 	var usage []anchor.Usage
-	ctx := WithBuilder(context.Background(), func(msgs []chat.Message, maxTokens int) []byte {
-		limits = append(limits, maxTokens)
-		return buildBody(&built, `"tools":[{"type":"function","function":{"name":"bash"}}],"tool_choice":"none",`, msgs, maxTokens)
-	})
-	ctx = WithUsageHook(ctx, func(u anchor.Usage) { usage = append(usage, u) })
-	ctx = WithCounter(ctx, func(text string) int { return len(text)/4 + 4 })
-	req := compaction.SummaryRequest{Head: h, MaxTokens: 200, Prefix: h, PrefixTokens: 300}
-	if _, err := c.Summarize(ctx, req); err != nil {
+	ctx := context.Background()
+	call := Call{
+		Build: func(msgs []chat.Message, maxTokens int) []byte {
+			limits = append(limits, maxTokens)
+			return buildBody(&built, `"tools":[{"type":"function","function":{"name":"bash"}}],"tool_choice":"none",`, msgs, maxTokens)
+		},
+		OnUsage: func(u anchor.Usage) { usage = append(usage, u) },
+		Count:   func(text string) int { return len(text)/4 + 4 },
+	}
+	req := &call.Request
+	*req = compaction.SummaryRequest{Head: h, MaxTokens: 200, Prefix: h, PrefixTokens: 300}
+	if _, err := c.Summarize(ctx, call); err != nil {
 		t.Fatal(err)
 	}
 	reqs := ep.requests()
@@ -403,13 +404,13 @@ func TestPrefixShape(t *testing.T) {
 
 	// Too large for the window: a transcript (system prompt + user).
 	req.PrefixTokens = 4000
-	if _, err := c.Summarize(ctx, req); err != nil {
+	if _, err := c.Summarize(ctx, call); err != nil {
 		t.Fatal(err)
 	}
 	// Ends on a user message: a transcript too.
 	req.PrefixTokens = 300
 	req.Prefix = head(t, map[string]any{"role": "user", "content": "hi"})
-	if _, err := c.Summarize(ctx, req); err != nil {
+	if _, err := c.Summarize(ctx, call); err != nil {
 		t.Fatal(err)
 	}
 	reqs = ep.requests()
@@ -434,12 +435,16 @@ func TestPrefixShapeWithKept(t *testing.T) {
 	h := agentHead(t, 4, 100)
 	prefix, kept := h[:len(h)-2], h[len(h)-2:]
 	var built [][]chat.Message
-	ctx := WithBuilder(context.Background(), func(msgs []chat.Message, maxTokens int) []byte {
-		return buildBody(&built, "", msgs, maxTokens)
-	})
-	ctx = WithCounter(ctx, func(text string) int { return len(text)/4 + 4 })
-	req := compaction.SummaryRequest{Head: prefix, MaxTokens: 200, Prefix: prefix, PrefixTokens: 300, Kept: kept, KeptTokens: 100}
-	if _, err := c.Summarize(ctx, req); err != nil {
+	ctx := context.Background()
+	call := Call{
+		Build: func(msgs []chat.Message, maxTokens int) []byte {
+			return buildBody(&built, "", msgs, maxTokens)
+		},
+		Count: func(text string) int { return len(text)/4 + 4 },
+	}
+	req := &call.Request
+	*req = compaction.SummaryRequest{Head: prefix, MaxTokens: 200, Prefix: prefix, PrefixTokens: 300, Kept: kept, KeptTokens: 100}
+	if _, err := c.Summarize(ctx, call); err != nil {
 		t.Fatal(err)
 	}
 	if len(built) != 1 || len(built[0]) != len(h)+1 {
@@ -457,13 +462,13 @@ func TestPrefixShapeWithKept(t *testing.T) {
 
 	// Kept too large for the window: the prefix alone.
 	req.KeptTokens = 3500
-	if _, err := c.Summarize(ctx, req); err != nil {
+	if _, err := c.Summarize(ctx, call); err != nil {
 		t.Fatal(err)
 	}
 	// Kept ending on a user message: the prefix alone.
 	req.KeptTokens = 100
 	req.Kept = append(append([]chat.Message(nil), kept...), head(t, map[string]any{"role": "user", "content": "next"})...)
-	if _, err := c.Summarize(ctx, req); err != nil {
+	if _, err := c.Summarize(ctx, call); err != nil {
 		t.Fatal(err)
 	}
 	if len(built) != 3 {

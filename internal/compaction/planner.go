@@ -1,0 +1,489 @@
+package compaction
+
+import (
+	"errors"
+	"time"
+
+	"github.com/compactproxy/compactproxy/internal/anchor"
+	"github.com/compactproxy/compactproxy/internal/chat"
+)
+
+// Config configures the planner (DESIGN.md § Compaction; the defaults are
+// the configuration's, applied here too when a field is zero where zero
+// makes no sense).
+type Config struct {
+	// TriggerRatio and TargetRatio apply to the room after the fixed part
+	// F (leading system messages and the request's overhead): compaction
+	// starts at F + TriggerRatio × (budget − F) (0 = 0.80) and aims below
+	// F + TargetRatio × (budget − F) (0 = 0.60).
+	TriggerRatio, TargetRatio float64
+	// ReserveTokens is the output headroom subtracted from the window; the
+	// request's max tokens wins when larger, and either is capped at a
+	// quarter of the window (an agent that sends max_tokens 32000 to a 32k
+	// model still gets compacted). 0 = only the request's.
+	ReserveTokens int
+	// KeepTail is the floor of verbatim tail messages (0 still keeps the
+	// client's final message, and a cut never separates tool results from
+	// their call).
+	KeepTail int
+	// TailRatio extends the verbatim tail backward by whole turns while it
+	// stays within this share of the room (budget − F). 0 = no extension
+	// (the configuration's default is 0.3).
+	TailRatio float64
+	// LatchGrowth is how many provider-visible messages a conversation must
+	// grow after a failed summarize before the next attempt. 0 disables the
+	// latch.
+	LatchGrowth int
+	// TrimToolResultTokens: tool results longer than this are excerpted
+	// (0 = 1024). An excerpt keeps about half of it.
+	TrimToolResultTokens int
+	// MinInterval allows one summarize attempt per conversation per
+	// interval unless the provider-visible message count changed. 0
+	// disables the throttle.
+	MinInterval time.Duration
+	// SummarizerEnabled allows the summarize step (else trim and drop only).
+	SummarizerEnabled bool
+	// Shadow decides and reports but forwards the client's view unchanged
+	// and does not advance the state; the summarizer is never called (the
+	// decision is reported as ActionSummarizePending), because a summary
+	// that is not stored would be asked for again at every step.
+	Shadow bool
+	// SummaryTokens caps the tokens a summarize call asks for (the
+	// summarizer's max_tokens; 0 = 1024). A call asks for min(SummaryTokens,
+	// room), where room is what the target leaves for the summary.
+	SummaryTokens int
+	// SummaryMinTokens: a summary is attempted only when at least this
+	// much room is left for it (0 = 256), or SummaryTokens when that is
+	// smaller: a summary asked for at most 64 tokens fits a room of 64, and
+	// demanding 256 for it would drop turns where it fits. It is also the
+	// least head a new summary folds while the view is within the budget.
+	SummaryMinTokens int
+}
+
+// Defaults applied by New to zero fields.
+const (
+	DefaultTriggerRatio         = 0.80
+	DefaultTargetRatio          = 0.60
+	DefaultTrimToolResultTokens = 1024
+	DefaultSummaryTokens        = 1024
+	DefaultSummaryMinTokens     = 256
+	DefaultTailRatio            = 0.3
+)
+
+// SummaryRequest is the summary a decision asks for (Output.Need): what to
+// fold, how large it may be, and the request shape. The proxy obtains it
+// and plans again with the answer in Input.Summary.
+type SummaryRequest struct {
+	// Cut and At identify the summary: it replaces the client's messages
+	// up to position Cut, whose chain digest d[Cut] is At. An answer
+	// (SummaryResult) applies only to a plan that asks for the same.
+	Cut int
+	At  anchor.Digest
+	// Head holds only messages no earlier summary covered, as they were
+	// forwarded (trims applied, dropped messages left out).
+	Head []chat.Message
+	// Previous is the summary the head continues ("" when none): the
+	// answer must fold it in.
+	Previous string
+	// MaxTokens is the size the summary may have: the room the view leaves
+	// for it, never more than the history it folds; ask the model for at
+	// most that.
+	MaxTokens int
+	// Prefix is the view as forwarded up to the cut: the leading system
+	// messages, the previous summary's block when one applies, then Head.
+	// It is what the upstream's prompt cache holds from the previous
+	// request; PrefixTokens is its estimate. A summarizer that calls the
+	// chat upstream itself can extend it instead of sending a transcript.
+	Prefix       []chat.Message
+	PrefixTokens int
+	// Kept is set for a background summary (PassBackground): the rest of
+	// the view as it was just forwarded, after Prefix (the verbatim tail
+	// and the client's final message); KeptTokens is its estimate. The
+	// upstream's cache holds Prefix+Kept, so a request that extends
+	// Prefix+Kept (asking for a summary of Prefix only) leaves that cache
+	// whole for the client's next request, where one that extends Prefix
+	// alone makes a one-slot server such as llama-server evaluate the
+	// tail again.
+	Kept       []chat.Message
+	KeptTokens int
+}
+
+// SummaryResult is the answer to a SummaryRequest, handed back in
+// Input.Summary with the same Input the request came from.
+type SummaryResult struct {
+	// Cut and At are the request's (what the answer is a summary of).
+	Cut int
+	At  anchor.Digest
+	// Text is the summarizer's answer; Err why there is none.
+	Text string
+	Err  error
+	// Canceled: the call was given up because its requester went away,
+	// which says nothing about the summarizer (no latch).
+	Canceled bool
+}
+
+// ResultFor returns the answer to req: text or err, canceled when the
+// call was given up for a reason of the requester's.
+func ResultFor(req *SummaryRequest, text string, err error, canceled bool) *SummaryResult {
+	return &SummaryResult{Cut: req.Cut, At: req.At, Text: text, Err: err, Canceled: canceled}
+}
+
+// answers reports whether res answers a summary of the client's messages
+// up to cut, whose chain digest is at.
+func (res *SummaryResult) answers(cut int, at anchor.Digest) bool {
+	return res != nil && res.Cut == cut && res.At == at
+}
+
+// Pass names why the planner runs: a small set of passes, each with its own
+// rules, instead of flags.
+type Pass int
+
+const (
+	// PassForward is a request on its way upstream (and a preview of one):
+	// the full decision.
+	PassForward Pass = iota
+	// PassRecover is overflow recovery (DESIGN step 5): the upstream
+	// refused the view as too long; the throttle is ignored, the latch
+	// honoured.
+	PassRecover
+	// PassBackground is background pre-summarization after a response
+	// (DESIGN step 2): the head is summarized as if the view were over the
+	// trigger, under the same latch, throttle and sizing; the summary is
+	// stored in State.Pending, not applied, and the client's view is
+	// returned unchanged.
+	PassBackground
+)
+
+// Estimator estimates the provider input of a view. The proxy's closure
+// computes the view's digest chain and uses the conversation's anchors, the
+// local estimator and the calibration ratio (anchor.EstimateView).
+type Estimator func(view []chat.Message) anchor.Estimate
+
+// Input is one request's view and everything the decision needs.
+type Input struct {
+	// Messages is the client's provider-visible view (UI-only removed,
+	// pairing-valid unless pairing is off).
+	Messages []chat.Message
+	// Chain is the digest chain d[0..n] of Messages; stored records match
+	// against it. Without it (wrong length) nothing is re-applied, recorded
+	// or summarized (a summary that cannot be stored would be asked for
+	// again at every step).
+	Chain []anchor.Digest
+	// State is the conversation's stored state.
+	State State
+	// Window is the model's context window in tokens (0 = unknown: stored
+	// compaction is re-applied, nothing new is done); MaxTokens the
+	// request's max_tokens / max_completion_tokens (0 = absent).
+	Window, MaxTokens int
+	// Estimate measures views.
+	Estimate Estimator
+	// Now is the time of the decision (the throttle reads it).
+	Now time.Time
+	// Pass is why the planner runs (PassForward when zero).
+	Pass Pass
+	// Summary is the answer to the SummaryRequest an earlier Plan of this
+	// same Input returned in Output.Need; nil before one was obtained.
+	Summary *SummaryResult
+	// SummaryInUpstreamTokens: the summarizer is the upstream's model, so
+	// its limit (the call's max tokens) counts the same tokens as the
+	// window. A summary asked for n tokens then takes at most n in the view,
+	// whatever the estimator's ratio (calibrated on the conversation: code
+	// and tool output) makes of its prose.
+	SummaryInUpstreamTokens bool
+	// Measured > 0 is the provider-measured size of this view (from an
+	// overflow error); it overrides the estimate of the client's view, and
+	// every candidate view's estimate is scaled up by the same ratio.
+	Measured int
+}
+
+// Action names what a forwarded view carries.
+type Action string
+
+// The actions. The values are the X-Compactproxy-Compaction header values
+// and the compactions_total label values.
+const (
+	ActionNone             Action = "none"
+	ActionTrimmed          Action = "trimmed"
+	ActionReused           Action = "reused"
+	ActionSummarized       Action = "summarized"
+	ActionDropped          Action = "dropped"
+	ActionSummarizePending Action = "summarize_pending"
+)
+
+// Suppression reasons (Events.Suppressed), the
+// summarize_suppressed_total{reason} label values.
+const (
+	SuppressedLatch    = "latch"
+	SuppressedThrottle = "throttle"
+)
+
+// Errors reported in Events.SummaryError besides the summarizer's own.
+var (
+	// ErrEmptySummary: the summarizer answered no text.
+	ErrEmptySummary = errors.New("compaction: empty summary")
+	// ErrSummaryNotSmaller: the view with the summary was not smaller than
+	// the view without it.
+	ErrSummaryNotSmaller = errors.New("compaction: summary does not shrink the view")
+)
+
+// Events is what happened during one Plan, for metrics and logs.
+type Events struct {
+	// SummarizeCalled: the summarizer was called; SummarizeOK: its summary
+	// is in the forwarded view (summarize_total{result}).
+	SummarizeCalled, SummarizeOK bool
+	// Suppressed is SuppressedLatch or SuppressedThrottle when a summarize
+	// that was needed was skipped, else "".
+	Suppressed string
+	// LatchEngaged: a failed summarize engaged the latch.
+	LatchEngaged bool
+	// InvariantFailure: the produced view failed the pairing check and was
+	// discarded (the client's view was forwarded).
+	InvariantFailure bool
+	// NewActions lists each kind of compaction this request applied
+	// (compactions_total{action}): trimmed or dropped when new records were
+	// made, summarized for a new summary, reused when a stored summary was
+	// re-applied.
+	NewActions []Action
+	// SummaryError is why the summarize failed (nil when it did not).
+	SummaryError error
+	// SummaryTokens is the limit the summarize call was given (0 when none
+	// was made).
+	SummaryTokens int
+	// Impossible: the fixed part alone (leading system messages and the
+	// request's overhead) is over the budget; nothing new was done
+	// (compaction_impossible_total).
+	Impossible bool
+}
+
+// Output is the decision.
+type Output struct {
+	// Messages is the view to forward: Input.Messages itself when nothing
+	// applies, in Shadow mode and after an invariant failure.
+	Messages []chat.Message
+	// Action is the strongest thing Messages carries: summarized > reused >
+	// dropped > trimmed > none; summarize_pending when a summary is due
+	// and not in Messages (Need asks for it; in shadow mode Need is nil).
+	Action Action
+	// Need, when set, is the summary this decision asks for. Messages is
+	// then the view without it: what to forward when the summary cannot be
+	// had now. To use it, obtain the summary and Plan the same Input again
+	// with its answer in Input.Summary.
+	Need *SummaryRequest
+	// Context estimates the client's view after stored compaction was
+	// re-applied, before new compaction (Tokens = Input.Measured when set).
+	Context anchor.Estimate
+	// Forwarded estimates Messages.
+	Forwarded int
+	// Budget, Trigger and Target are the thresholds in tokens (0 when the
+	// window is unknown); Fixed is the estimate of the fixed part F.
+	Budget, Trigger, Target, Fixed int
+	// State is the conversation's state to save when StateChanged.
+	State        State
+	StateChanged bool
+	Events       Events
+}
+
+// Planner decides compactions. It keeps no per-conversation memory: all of
+// it is in State; it reads no clock and calls nothing. Safe for concurrent
+// use.
+type Planner struct {
+	cfg Config
+	// corrupt, when set (tests only), alters every view compaction
+	// produced before the invariant check.
+	corrupt func([]chat.Message) []chat.Message
+}
+
+// NewPlanner returns a planner; zero fields of cfg take their defaults.
+func NewPlanner(cfg Config) *Planner {
+	if cfg.TriggerRatio <= 0 {
+		cfg.TriggerRatio = DefaultTriggerRatio
+	}
+	if cfg.TargetRatio <= 0 {
+		cfg.TargetRatio = DefaultTargetRatio
+	}
+	if cfg.TargetRatio > cfg.TriggerRatio {
+		cfg.TargetRatio = cfg.TriggerRatio
+	}
+	if cfg.TrimToolResultTokens <= 0 {
+		cfg.TrimToolResultTokens = DefaultTrimToolResultTokens
+	}
+	if cfg.SummaryTokens <= 0 {
+		cfg.SummaryTokens = DefaultSummaryTokens
+	}
+	if cfg.SummaryMinTokens <= 0 {
+		cfg.SummaryMinTokens = DefaultSummaryMinTokens
+	}
+	cfg.TailRatio = min(max(cfg.TailRatio, 0), 1)
+	cfg.KeepTail = max(cfg.KeepTail, 0)
+	cfg.LatchGrowth = max(cfg.LatchGrowth, 0)
+	return &Planner{cfg: cfg}
+}
+
+// run is one Plan call.
+type run struct {
+	cfg   *Config
+	in    Input
+	msgs  []chat.Message
+	n     int
+	chain bool // Input.Chain is usable
+	lead  int  // leading system/developer messages
+	tail  int  // start of the protected tail
+	floor int  // the tail's floor: keep_tail messages, never opening on a tool result
+	keep  int  // Trim.Keep for new trims of step 1
+	scale float64
+	ratio float64 // provider tokens per local token (Estimate.Ratio)
+	st    State
+	ev    Events
+
+	excerpts map[[2]int]chat.Message
+	blocks   map[*Summary][]chat.Message
+
+	// reapplied are the stored trims that matched.
+	reapplied map[int]int
+
+	newTrims, newSum, newDrop bool
+	// due: a summary is due and the view does not carry it
+	// (ActionSummarizePending): need asks for it, or shadow mode
+	// only reports it.
+	due         bool
+	usedPending bool // a background summary was applied
+	// need is the summary this decision asks for (Output.Need).
+	need *SummaryRequest
+	// corrupt is Planner.corrupt.
+	corrupt func([]chat.Message) []chat.Message
+}
+
+// Plan decides what to forward for one view (DESIGN.md § Compaction): the
+// one entry point for requests, overflow recovery, previews and background
+// summaries. It never fails: a problem leaves the client's view forwarded.
+// When a summary is due it says so in Output.Need; plan the same Input
+// again with the answer in Input.Summary to use it.
+func (pl *Planner) Plan(in Input) Output {
+	cfg := pl.cfg
+	r := &run{
+		cfg:      &cfg,
+		corrupt:  pl.corrupt,
+		in:       in,
+		msgs:     in.Messages,
+		n:        len(in.Messages),
+		chain:    len(in.Chain) == len(in.Messages)+1,
+		keep:     cfg.TrimToolResultTokens * bytesPerToken / 2,
+		scale:    1,
+		ratio:    1,
+		st:       in.State.clone(),
+		excerpts: make(map[[2]int]chat.Message),
+		blocks:   make(map[*Summary][]chat.Message),
+	}
+	if r.in.Estimate == nil {
+		r.in.Estimate = byteEstimate
+	}
+	for r.lead < r.n && isSystemRole(r.msgs[r.lead].Role) {
+		r.lead++
+	}
+	r.tail = tailStart(r.msgs, cfg.KeepTail)
+	r.floor = r.tail
+	return r.compact()
+}
+
+func (r *run) compact() Output {
+	cfg := r.cfg
+	out := Output{}
+
+	p := r.reapply()
+	r.reapplied = p.trims
+	view := r.in.Messages
+	if !p.empty() {
+		view = r.view(p)
+	}
+	out.Context = r.in.Estimate(view)
+	if q := out.Context.Ratio; q > 0 {
+		r.ratio = q
+	}
+	cur := out.Context.Tokens
+	if m := r.in.Measured; m > 0 {
+		if cur > 0 && m > cur {
+			r.scale = float64(m) / float64(cur)
+		}
+		out.Context.Tokens = m
+		cur = m
+	}
+
+	out.Budget = Budget(r.in.Window, cfg.ReserveTokens, r.in.MaxTokens)
+	if out.Budget <= 0 || r.n == 0 {
+		return r.finish(out, p, cur)
+	}
+	// The fixed part: what no compaction can shrink (the leading system
+	// messages and the request's overhead, as estimated).
+	out.Fixed = r.est(r.msgs[:r.lead:r.lead])
+	room := out.Budget - out.Fixed
+	if room <= 0 {
+		out.Trigger, out.Target = out.Budget, out.Budget
+		if cur >= out.Budget {
+			r.ev.Impossible = true
+		}
+		return r.finish(out, p, cur)
+	}
+	out.Trigger = out.Fixed + int(float64(room)*cfg.TriggerRatio)
+	out.Target = out.Fixed + int(float64(room)*cfg.TargetRatio)
+	if r.in.Pass == PassBackground {
+		return r.presummarize(out, p, cur)
+	}
+	if cur >= out.Trigger {
+		headStart := p.headStart(r.lead)
+		r.tail = r.extendTail(r.tail, headStart, out.Fixed, r.tailLimit(out))
+		cur = r.decide(&p, cur, out.Budget, out.Target)
+	}
+	return r.finish(out, p, cur)
+}
+
+// decide runs the steps over the trigger and returns the estimate of the
+// resulting plan.
+func (r *run) decide(p *plan, cur, budget, target int) int {
+	cfg := r.cfg
+	headStart := p.headStart(r.lead)
+
+	// 1. Trim tool results outside the leading system messages and the
+	// protected tail, oldest first.
+	if cands := r.trimCandidates(*p, headStart, max(r.tail, headStart), r.long()); len(cands) > 0 {
+		var reached bool
+		cur, reached = r.applyTrims(p, cands, r.keep, target)
+		if reached {
+			return cur
+		}
+	}
+
+	// 2. Summarize the head when trim could not reach the target.
+	if cfg.SummarizerEnabled && r.chain && r.tail < r.n && (r.tail > headStart || cur > budget) {
+		var summarized bool
+		if cur, summarized = r.summarize(p, cur, headStart, budget, target); summarized && cur <= budget {
+			return cur // no drop while a summary fits
+		}
+		// A dry run that would summarize goes on: its view (without the
+		// summary) is what a request forwards when the summary cannot be
+		// made now (another replica holds it, the store is down), so it
+		// must fit too.
+	}
+
+	// 4. Still over: excerpt the oldest long tool results after the
+	// summary (never the final message), then drop whole turns when over
+	// the budget.
+	if cur >= target {
+		start := p.headStart(r.lead)
+		if cands := r.trimCandidates(*p, start, r.n-1, r.long()); len(cands) > 0 {
+			cur, _ = r.applyTrims(p, cands, r.keep, target)
+		}
+	}
+	if cur > budget {
+		// Over the budget even so: excerpt any tool result after the
+		// summary but the final message to a short excerpt, before
+		// dropping turns.
+		start := p.headStart(r.lead)
+		if cands := r.trimCandidates(*p, start, r.n-1, 0); len(cands) > 0 {
+			cur, _ = r.applyTrims(p, cands, tightKeep, budget+1)
+		}
+	}
+	if cur > budget {
+		cur = r.dropTurns(p, cur, budget, target)
+	}
+	return cur
+}

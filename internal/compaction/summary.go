@@ -1,0 +1,274 @@
+package compaction
+
+import (
+	"bytes"
+	"fmt"
+	"strings"
+
+	"github.com/compactproxy/compactproxy/internal/chat"
+)
+
+// askFor returns the client position of the most recent text-only user
+// message when it lies in the head [lead, cut) (-1 when the tail carries
+// one, or there is none) and whether it must be quoted inside the summary
+// because the tail itself starts with a user message.
+func (r *run) askFor(cut int) (int, bool) {
+	for i := r.n - 1; i >= r.lead; i-- {
+		m := &r.msgs[i]
+		if m.Role != "user" || m.MediaParts > 0 {
+			continue
+		}
+		if i >= cut {
+			return -1, false
+		}
+		return i, r.msgs[cut].Role == "user"
+	}
+	return -1, false
+}
+
+// applyPending applies the background summary when its head still matches
+// the client's chain, it lies within the current head and it shrinks the
+// view: no model call on the request that crosses the trigger. base is the
+// plan without the head (its trims after the cut are kept).
+func (r *run) applyPending(p *plan, base plan, headStart, cur int) (plan, int, bool) {
+	ps := r.st.Pending
+	if ps == nil || !r.chain || ps.Lead != r.lead || ps.Cut <= headStart || ps.Cut > max(r.tail, r.floor) ||
+		ps.Cut >= r.n || r.in.Chain[ps.Cut] != ps.Head {
+		return plan{}, 0, false
+	}
+	s := *ps
+	s.Ask, s.AskInline = r.askFor(s.Cut)
+	next := r.msgs[s.Cut].Role
+	if s.Ask >= 0 && !s.AskInline {
+		next = "user"
+	}
+	s.Ack = next == "user"
+	q := withSummary(base, &s)
+	e := r.summaryEst(q)
+	if e >= cur {
+		return plan{}, 0, false
+	}
+	r.st.Pending = nil
+	r.usedPending = true
+	r.st.Latched, r.st.LatchCount = false, 0
+	return q, e, true
+}
+
+// keptAfter returns what follows prefix in view when prefix is, byte for
+// byte, the start of view (nil otherwise).
+func keptAfter(prefix, view []chat.Message) []chat.Message {
+	if len(view) <= len(prefix) {
+		return nil
+	}
+	for i := range prefix {
+		if !bytes.Equal(prefix[i].Raw, view[i].Raw) {
+			return nil
+		}
+	}
+	return view[len(prefix):len(view):len(view)]
+}
+
+// presummarize is the background run: step 2 on the client's view as if
+// it were over the trigger; a summary goes to State.Pending.
+func (r *run) presummarize(out Output, p plan, cur int) Output {
+	cfg := r.cfg
+	out.Messages, out.Action, out.Forwarded = r.in.Messages, ActionNone, cur
+	headStart := p.headStart(r.lead)
+	r.tail = r.nextTail(headStart, out)
+	if ps := r.st.Pending; ps != nil && r.chain && ps.Lead == r.lead && ps.Cut > headStart && ps.Cut < r.n &&
+		r.in.Chain[ps.Cut] == ps.Head {
+		// The background summary made at an earlier step still applies:
+		// one is enough until the trigger is crossed.
+	} else if cfg.SummarizerEnabled && r.chain && !cfg.Shadow && r.tail > headStart && r.tail < r.n {
+		q := p
+		r.st.Pending = nil // a new one supersedes it
+		if _, ok := r.summarize(&q, cur, headStart, out.Budget, out.Target); ok && q.sum != nil && r.newSum {
+			s := *q.sum
+			r.st.Pending = &s
+		}
+	}
+	r.newSum = false
+	out.State = r.st
+	out.StateChanged = !stateEqual(r.in.State, r.st)
+	out.Events = r.ev
+	out.Need = r.need
+	return out
+}
+
+// summarize runs step 2 (sizing, latch, throttle, the call) and returns the
+// estimate of the resulting plan and whether a summary now applies.
+func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool) {
+	cfg := r.cfg
+	// measure sizes a summary with the verbatim tail from cut on: the
+	// summary's room is the target minus the view without the head
+	// (system messages, the summary's label, acknowledgement, ask, tail).
+	measure := func(cut int) (cand *Summary, base plan, withoutHead, room int) {
+		ask, inline := r.askFor(cut)
+		next := r.msgs[cut].Role
+		if ask >= 0 && !inline {
+			next = "user"
+		}
+		cand = &Summary{
+			Cut: cut, Head: r.in.Chain[cut], Lead: r.lead,
+			Ack: next == "user", Ask: ask, AskInline: inline,
+		}
+		base = withSummary(*p, cand)
+		withoutHead = r.est(r.view(base))
+		room = target - withoutHead
+		if room < cfg.minRoom() {
+			// Excerpt the tail's oldest long tool results (never the final
+			// message) and measure again; then accept the budget.
+			if cands := r.trimCandidates(base, cut, r.n-1, 0); len(cands) > 0 {
+				r.applyTrims(&base, cands, tightKeep, target-cfg.minRoom())
+				room = target - r.est(r.view(base))
+			}
+			if room < cfg.minRoom() {
+				room = budget - r.est(r.view(base))
+			}
+		}
+		return cand, base, withoutHead, room
+	}
+	cut := r.tail
+	var cand *Summary
+	var base plan
+	withoutHead, room := 0, -1
+	if cut > headStart {
+		cand, base, withoutHead, room = measure(cut)
+	} else {
+		// The tail's floor covers everything since the previous cut and
+		// the view is over the budget: only a later cut can help.
+		cut = headStart
+	}
+	if room < cfg.minRoom() {
+		// The tail's floor itself leaves no summary room (a small window
+		// with a large fixed part: keep_tail spans two turns). Its older
+		// turns go into the summary, never past the final message's turn:
+		// otherwise they would be dropped, and their content lost.
+		final := r.n - 1
+		for final > cut && isToolRole(r.msgs[final].Role) {
+			final--
+		}
+		for c := cut + 1; c <= final && room < cfg.minRoom(); c++ {
+			if isToolRole(r.msgs[c].Role) {
+				continue
+			}
+			if cc, cb, cw, cr := measure(c); cr >= cfg.minRoom() {
+				cut, cand, base, withoutHead, room = c, cc, cb, cw, cr
+			}
+		}
+		if room < cfg.minRoom() && final > headStart {
+			// No cut leaves a summary its least room: the fixed part, the
+			// ask and the final message's turn fill the budget (a two-read
+			// turn at Qwen2.5 2k). The drop would remove every turn before
+			// the final one and leave the view over the budget all the
+			// same. A new summary no larger than the one it replaces folds
+			// them instead: a view the drop's size, nothing lost.
+			_, old := r.summarySplit(*p)
+			if old = min(old, cfg.SummaryTokens); old >= cfg.minRoom() {
+				if final != cut || cand == nil {
+					cand, base, withoutHead, _ = measure(final)
+					cut = final
+				}
+				room = old
+			}
+		}
+		if cand == nil || room < cfg.minRoom() {
+			return cur, false
+		}
+		r.tail = cut
+	}
+	// A summary can only pay for itself when it is smaller than what it
+	// replaces: the head as forwarded now.
+	headTokens := cur - withoutHead
+	// What a new summary would take in beyond the previous one: the head
+	// messages after the previous cut, as forwarded. Folding less than
+	// summary_min_tokens of them is not worth a model call (a view that
+	// stays over the trigger after a summary would otherwise be summarized
+	// again at every step), unless the view is over the budget: then the
+	// alternative is a drop, and a summary that fits comes first.
+	fresh := r.est(r.prefixView(*p, cut)) - r.est(r.prefixView(*p, headStart))
+	if room < cfg.minRoom() || headTokens < cfg.minRoom() || (fresh < cfg.SummaryMinTokens && cur <= budget) {
+		return cur, false // no summary fits: step 4
+	}
+	limit := min(cfg.SummaryTokens, room, headTokens)
+
+	if q, e, ok := r.applyPending(p, base, headStart, cur); ok {
+		*p = q
+		return e, true
+	}
+
+	n := r.n
+	if r.st.Latched {
+		if n < r.st.LatchCount+cfg.LatchGrowth {
+			r.ev.Suppressed = SuppressedLatch
+			return cur, false
+		}
+		r.st.Latched = false
+	}
+	now := r.in.Now
+	if cfg.MinInterval > 0 && r.in.Pass != PassRecover && !r.st.LastAttempt.IsZero() &&
+		r.st.LastAttemptCount == n && now.Sub(r.st.LastAttempt) < cfg.MinInterval {
+		r.ev.Suppressed = SuppressedThrottle
+		return cur, false
+	}
+	if cfg.Shadow {
+		r.due = true // shadow decides and reports, never asks
+		return cur, false
+	}
+	at := r.in.Chain[cut]
+	res := r.in.Summary
+	if !res.answers(cut, at) {
+		// Decide, then do: ask for the summary; the caller obtains it and
+		// plans again with the answer.
+		previous := ""
+		if p.sum != nil {
+			previous = p.sum.Text
+		}
+		prefix := r.prefixView(*p, cut)
+		req := &SummaryRequest{
+			Cut: cut, At: at,
+			Head: r.headView(*p, headStart, cut), Previous: previous, MaxTokens: limit,
+			Prefix: prefix, PrefixTokens: r.est(prefix),
+		}
+		if r.in.Pass == PassBackground {
+			req.Kept = keptAfter(prefix, r.view(*p))
+			if len(req.Kept) > 0 {
+				req.KeptTokens = max(cur-req.PrefixTokens, 0)
+			}
+		}
+		r.need, r.due = req, true
+		return cur, false
+	}
+
+	r.st.LastAttempt, r.st.LastAttemptCount = now, n
+	r.ev.SummarizeCalled = true
+	r.ev.SummaryTokens = limit
+	text, err := res.Text, res.Err
+	text = strings.TrimSpace(text)
+	if err == nil && text == "" {
+		err = ErrEmptySummary
+	}
+	if err == nil {
+		s := *cand
+		s.Text = text
+		if r.in.SummaryInUpstreamTokens {
+			s.Tokens = limit
+		}
+		q := withSummary(base, &s)
+		e := r.summaryEst(q)
+		if e < cur {
+			*p = q
+			r.newSum = true
+			r.ev.SummarizeOK = true
+			r.st.Latched, r.st.LatchCount = false, 0
+			return e, true
+		}
+		err = fmt.Errorf("%w (%d tokens, %d before)", ErrSummaryNotSmaller, e, cur)
+	}
+	r.ev.SummaryError = err
+	if !res.Canceled { // a client that went away is not a summarizer failure
+		r.st.Latched, r.st.LatchCount = cfg.LatchGrowth > 0, n
+		r.ev.LatchEngaged = cfg.LatchGrowth > 0
+	}
+	return cur, false
+}

@@ -1,0 +1,59 @@
+package compaction
+
+// tightKeep is the excerpt size (text bytes) of the results excerpted when
+// the view is over the budget, or leaves a summary no room, with results
+// that are not long: a small window (2k–4k tokens with a tools array)
+// cannot hold two whole file reads.
+const tightKeep = 512
+
+// long is the size, in provider tokens, above which a tool result is long
+// (compaction.trim.tool_result_tokens).
+func (r *run) long() int { return r.cfg.TrimToolResultTokens }
+
+// trimCandidates lists, oldest first, the tool results in [from, to)
+// longer than limit provider tokens (measured as the local size of their
+// text times the estimate's ratio) that the plan does not trim or drop yet.
+func (r *run) trimCandidates(p plan, from, to, limit int) []int {
+	var out []int
+	for i := max(from, r.lead); i < to && i < r.n; i++ {
+		m := &r.msgs[i]
+		if !trimmable(m) || float64(textTokens(m))*r.ratio <= float64(limit) {
+			continue
+		}
+		if _, done := p.trims[i]; done {
+			continue
+		}
+		if p.dropped(i) {
+			continue
+		}
+		if _, ok := r.trimmed(i, min(r.keep, max(limit*bytesPerToken/2, tightKeep))); ok {
+			out = append(out, i)
+		}
+	}
+	return out
+}
+
+// applyTrims adds the fewest leading candidates, excerpted to keep bytes,
+// that bring the view below target (all of them when none does) and
+// returns the new estimate and whether the target was reached.
+func (r *run) applyTrims(p *plan, cands []int, keep, target int) (int, bool) {
+	all := p.withTrims(cands, keep)
+	estAll := r.est(r.view(all))
+	if estAll >= target {
+		*p = all
+		return estAll, false
+	}
+	// The estimate falls as more results are excerpted: binary search for
+	// the smallest prefix of candidates below the target.
+	lo, hi, hiEst := 1, len(cands), estAll
+	for lo < hi {
+		mid := (lo + hi) / 2
+		if e := r.est(r.view(p.withTrims(cands[:mid], keep))); e < target {
+			hi, hiEst = mid, e
+		} else {
+			lo = mid + 1
+		}
+	}
+	*p = p.withTrims(cands[:hi], keep)
+	return hiEst, true
+}
