@@ -37,7 +37,7 @@ e2e-deps:
 # test/llama runs compactproxy against a real llama-server. CI (and any
 # checkout with ../shared/llama beside it) gets the binary, model and chat
 # templates from there; elsewhere set LLAMA_SERVER_BIN / LLAMA_MODEL
-# (README, "Tests against a real llama-server"), else those tests skip.
+# (docs/testing.md, "test/llama: a real llama-server"), else those tests skip.
 LLAMA_DIR ?= ../shared/llama
 export LLAMA_SERVER_BIN ?= $(abspath $(wildcard $(LLAMA_DIR)/llama-server))
 export LLAMA_MODEL ?= $(abspath $(wildcard $(LLAMA_DIR)/models/stories260K.gguf))
