@@ -12,7 +12,7 @@ all: lint test build
 
 help:
 	@echo "make build     static binary in $(BIN) (CGO off, -trimpath, version $(VERSION))"
-	@echo "make run       go run ./cmd/compactproxy (set COMPACTPROXY_UPSTREAM_URL)"
+	@echo "make run       go run ./cmd/compactproxy on the defaults (upstream http://127.0.0.1:8080/v1; override with COMPACTPROXY_UPSTREAM_URL)"
 	@echo "make test      e2e dependencies + go test -race -count=1 ./... (what CI runs)"
 	@echo "make bench     go test benchmarks + load harness (not part of make test)"
 	@echo "make bench-profile  pprof CPU profile of compactproxy under the harness (PROFILE_SCENARIO, PROFILE_CONCURRENCY)"
@@ -23,8 +23,9 @@ help:
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) ./cmd/compactproxy
 
-# Needs only COMPACTPROXY_UPSTREAM_URL, e.g.
-#   COMPACTPROXY_UPSTREAM_URL=http://127.0.0.1:8080/v1 make run
+# Serves on the defaults: upstream http://127.0.0.1:8080/v1 (llama-server's
+# own default address); override with COMPACTPROXY_UPSTREAM_URL, e.g.
+#   COMPACTPROXY_UPSTREAM_URL=https://api.openai.com/v1 make run
 # Reads ./configs/compactproxy.yaml (all defaults) when run from the checkout.
 run:
 	$(GO) run ./cmd/compactproxy $(ARGS)
@@ -37,7 +38,7 @@ e2e-deps:
 # test/llama runs compactproxy against a real llama-server. CI (and any
 # checkout with ../shared/llama beside it) gets the binary, model and chat
 # templates from there; elsewhere set LLAMA_SERVER_BIN / LLAMA_MODEL
-# (README, "Tests against a real llama-server"), else those tests skip.
+# (docs/testing.md, "test/llama: a real llama-server"), else those tests skip.
 LLAMA_DIR ?= ../shared/llama
 export LLAMA_SERVER_BIN ?= $(abspath $(wildcard $(LLAMA_DIR)/llama-server))
 export LLAMA_MODEL ?= $(abspath $(wildcard $(LLAMA_DIR)/models/stories260K.gguf))

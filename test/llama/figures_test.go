@@ -649,7 +649,7 @@ func (f *figures) assertGoals(t *testing.T) {
 }
 
 // cacheBound is the cache figure's regression bound per workload, under
-// the figures measured (README): paced 0.64–0.80, stress 0.49–0.63.
+// the figures measured (docs/performance.md): paced 0.64–0.80, stress 0.49–0.63.
 var cacheBound = map[string]float64{paced: 0.55, stress: 0.3}
 
 // smallWindowCacheBound holds the small-window profile near the goal

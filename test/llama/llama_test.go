@@ -10,8 +10,8 @@
 // It needs LLAMA_SERVER_BIN and LLAMA_MODEL (and optionally LLAMA_TEMPLATE,
 // LLAMA_TEMPLATES_DIR, LLAMA_CONTEXTS, LLAMA_THREADS, LLAMA_BUDGET,
 // LLAMA_PROXY_ENV, LLAMA_REPORT);
-// without them it skips. `make test` sets them from ../shared/llama when it exists. See the
-// README, "Tests against a real llama-server".
+// without them it skips. `make test` sets them from ../shared/llama when it exists. See
+// docs/testing.md, "test/llama: a real llama-server".
 package llama
 
 import (
@@ -50,8 +50,8 @@ type llamaConfig struct {
 	profile    string // "" = compactproxy's defaults; smallWindow = smallWindowSettings
 }
 
-// smallWindow is the profile a user at a 2–4k window can choose (README,
-// "Tests against a real llama-server"): compact later, start the
+// smallWindow is the profile a user at a 2–4k window can choose
+// (docs/configuration.md, "Small windows"): compact later, start the
 // background summary later, keep a shorter tail. DESIGN's defaults are set
 // for large windows, where a step appends 1–3% of the room; here a step
 // appends 7–18% of it, and each compaction evaluates the summary, the
@@ -89,7 +89,7 @@ func loadEnv(t *testing.T) llamaEnv {
 	server, model := os.Getenv("LLAMA_SERVER_BIN"), os.Getenv("LLAMA_MODEL")
 	if server == "" || model == "" {
 		t.Skip("LLAMA_SERVER_BIN and LLAMA_MODEL are not set: these tests need a real llama-server binary and a GGUF model " +
-			"(make test sets them from ../shared/llama when it exists; see README, \"Tests against a real llama-server\")")
+			"(make test sets them from ../shared/llama when it exists; see docs/testing.md, \"test/llama: a real llama-server\")")
 	}
 	e := llamaEnv{server: resolvePath(t, "LLAMA_SERVER_BIN", server), model: resolvePath(t, "LLAMA_MODEL", model)}
 	e.templates = []string{""}

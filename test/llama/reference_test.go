@@ -137,8 +137,8 @@ func (f *figures) lateReference(t *testing.T, ls *llamaServer, cs []clientStep, 
 			}
 			if ft := finalTurn(msgs); len(toks) > budget && ft > cut {
 				// The floor does not fit: fold all but the final turn, as
-				// compactproxy does rather than drop (README, "How it
-				// decides").
+				// compactproxy does rather than drop (docs/design-notes.md,
+				// "Departures from DESIGN").
 				cut, pin = ft, 0
 				if l := latestText(msgs); l >= 1 && l < cut {
 					pin = l

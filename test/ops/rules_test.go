@@ -50,7 +50,7 @@ func loadRules(t *testing.T, root string) []rule {
 // TestPromtoolRules runs promtool's own checks on the rule file and its unit
 // tests, and checks that every alert is tested both ways (a case where it
 // fires and one where it stays silent), has a severity and runbook text, and
-// is explained in the README's "Operating compactproxy" section.
+// is explained in docs/operating.md's "Alerts" section.
 func TestPromtoolRules(t *testing.T) {
 	promtool := needTool(t, "promtool")
 	root := repoRoot(t)
@@ -89,13 +89,13 @@ func TestPromtoolRules(t *testing.T) {
 			}
 		}
 	}
-	readme, err := os.ReadFile(filepath.Join(root, "README.md"))
+	doc, err := os.ReadFile(filepath.Join(root, "docs", "operating.md"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, ops, found := strings.Cut(string(readme), "## Operating compactproxy")
+	_, ops, found := strings.Cut(string(doc), "\n## Alerts\n")
 	if !found {
-		t.Error(`README.md has no "## Operating compactproxy" section`)
+		t.Error(`docs/operating.md has no "## Alerts" section`)
 	}
 	ops, _, _ = strings.Cut(ops, "\n## ")
 	alerts := 0
@@ -111,7 +111,7 @@ func TestPromtoolRules(t *testing.T) {
 			t.Errorf("alert %s: needs a severity label and summary and runbook annotations", r.Alert)
 		}
 		if !strings.Contains(ops, r.Alert) {
-			t.Errorf("alert %s is not explained in the README's Operating compactproxy section", r.Alert)
+			t.Errorf("alert %s is not explained in docs/operating.md's Alerts section", r.Alert)
 		}
 	}
 	t.Logf("%d alerts, each with firing and silent promtool cases", alerts)
