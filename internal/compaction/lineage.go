@@ -5,6 +5,7 @@ import (
 	"slices"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
+	"github.com/compactproxy/compactproxy/internal/chat"
 )
 
 // MaxLineages is how many record lineages a conversation keeps; beyond it
@@ -146,4 +147,41 @@ func MergeAnchor(anchors []anchor.Anchor, a anchor.Anchor) []anchor.Anchor {
 	st := State{Anchors: anchors}
 	st.AddAnchor(a)
 	return st.Anchors
+}
+
+// recordDomain separates record chains from anchor chains of the same
+// seed (a view without system messages would otherwise chain alike).
+var recordDomain = anchor.Digest{'c', 'o', 'm', 'p', 'a', 'c', 't', 'i', 'o', 'n', '/', 'r', 'e', 'c', 'o', 'r', 'd', 's'}
+
+// RecordChain is the chain the planner's records, latch, throttle and
+// lineages are keyed by (Input.Chain): the seed (model identity and the
+// prompt fields: tools, ...), then the client's messages after the lead
+// leading system/developer messages. The system prompt is the fixed part,
+// never summarized or dropped, and real agents rebuild it per request (a
+// date, a clock, a git status): keyed after it, a conversation keeps its
+// records while it changes (DESIGN § Compaction). digests are the view's
+// message digests; the result has one more entry, indexed like the view's
+// anchor chain (rc[i] for i ≤ lead is the start of the record chain).
+// Anchors keep the full chain: the system prompt changes the count.
+func RecordChain(seed anchor.Digest, digests []anchor.Digest, lead int) []anchor.Digest {
+	out := make([]anchor.Digest, len(digests)+1)
+	start := anchor.Link(seed, recordDomain)
+	lead = min(max(lead, 0), len(digests))
+	for i := 0; i <= lead; i++ {
+		out[i] = start
+	}
+	for i := lead; i < len(digests); i++ {
+		out[i+1] = anchor.Link(out[i], digests[i])
+	}
+	return out
+}
+
+// LeadingSystem is the number of leading system/developer messages of a
+// view: the fixed part's messages.
+func LeadingSystem(view []chat.Message) int {
+	n := 0
+	for n < len(view) && isSystemRole(view[n].Role) {
+		n++
+	}
+	return n
 }

@@ -164,10 +164,11 @@ type Input struct {
 	// Messages is the client's provider-visible view (UI-only removed,
 	// pairing-valid unless pairing is off).
 	Messages []chat.Message
-	// Chain is the digest chain d[0..n] of Messages; stored records match
-	// against it. Without it (wrong length) nothing is re-applied, recorded
-	// or summarized (a summary that cannot be stored would be asked for
-	// again at every step).
+	// Chain is the record chain of Messages (RecordChain: keyed after the
+	// leading system messages), d[0..n]; stored records match against it.
+	// Without it (wrong length) nothing is re-applied, recorded or
+	// summarized (a summary that cannot be stored would be asked for again
+	// at every step).
 	Chain []anchor.Digest
 	// State is the conversation's stored state.
 	State State

@@ -218,7 +218,7 @@ func (s *scriptSession) run(line string) string {
 
 func (s *scriptSession) plan(pass Pass) string {
 	view := s.view()
-	chain := anchor.Chain(testSeed, digestsOf(s.t, view))
+	chain := RecordChain(testSeed, digestsOf(s.t, view), LeadingSystem(view))
 	li := SelectLineage(s.lineages, chain)
 	var st State
 	if li >= 0 {
@@ -276,7 +276,7 @@ func (s *scriptSession) save(li int, chain []anchor.Digest, out Output) {
 
 func (s *scriptSession) state() string {
 	view := s.view()
-	chain := anchor.Chain(testSeed, digestsOf(s.t, view))
+	chain := RecordChain(testSeed, digestsOf(s.t, view), LeadingSystem(view))
 	li := SelectLineage(s.lineages, chain)
 	if li < 0 {
 		return fmt.Sprintf("lineages=%d selected=none\n", len(s.lineages))

@@ -183,7 +183,7 @@ func (s *Server) compact(ctx context.Context, r *http.Request, cr *chatRequest, 
 	if !o.enabled || s.planner == nil || window == 0 {
 		return estimateOnly(), 0
 	}
-	chain, _, err := cv.memo.chain(view)
+	chain, err := cv.recordChain(view)
 	if err != nil {
 		s.metrics.CompactionErrors.Inc()
 		return estimateOnly(), 0

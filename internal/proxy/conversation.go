@@ -22,33 +22,59 @@ import (
 // conversationID returns the opaque id of the request's conversation: the
 // first of compaction.conversation_headers the client sends (hashed: a
 // header value never becomes a key), else the canonical digest of the
-// leading system messages and the first user message.
-func conversationID(r *http.Request, headers []string, msgs []chat.Message) string {
+// model identity, the tools (idSeed) and the first user message — not the
+// system prompt, which real agents rebuild per request with a date or an
+// environment block (DESIGN § Compaction).
+func conversationID(r *http.Request, headers []string, idSeed anchor.Digest, msgs []chat.Message) string {
 	h := sha256.New()
 	if c := conversationHeader(r, headers); c != "" {
 		h.Write([]byte("header\x00"))
 		h.Write([]byte(c))
 	} else {
-		h.Write([]byte("derived\x00"))
+		h.Write([]byte("derived/v2\x00"))
+		h.Write(idSeed[:])
 		for i := range msgs {
 			m := &msgs[i]
+			if isSystemRole(m.Role) {
+				continue
+			}
+			// The first user message; with none in the opening block,
+			// the first message after the system messages.
 			if !m.HasDigest {
 				if d, err := anchor.MessageHash(m.Raw); err == nil {
 					m.Digest, m.HasDigest = d, true
 				}
 			}
 			h.Write(m.Digest[:])
-			if m.Role == "user" {
-				break
-			}
-			if m.Role != "system" && m.Role != "developer" {
-				// No user message in the opening block: the first
-				// non-system message identifies the conversation.
-				break
-			}
+			break
 		}
 	}
 	return hex.EncodeToString(h.Sum(nil)[:16])
+}
+
+// isSystemRole tells whether a message belongs to the leading instructions.
+func isSystemRole(role string) bool { return role == "system" || role == "developer" }
+
+// idSeed is what a derived conversation id is keyed by besides the first
+// user message: the model identity and the tools (not tool_choice or the
+// output format, which an agent may change between steps). It is the
+// request's seed when the request sends no other prompt field.
+func (s *Server) idSeed(req *chat.Request, in *seedInput, seed anchor.Digest) anchor.Digest {
+	fields := map[string][]byte{}
+	other := false
+	for j, k := range anchor.PromptFields[:min(len(anchor.PromptFields), len(in.values))] {
+		switch {
+		case in.values[j] == nil:
+		case k == "tools" || k == "functions":
+			fields[k] = in.values[j]
+		default:
+			other = true
+		}
+	}
+	if !other && len(anchor.PromptFields) <= len(in.values) {
+		return seed
+	}
+	return anchor.Seed(s.modelIdentity(req.Model), fields)
 }
 
 // conversationHeader is the value of the first of headers the request
@@ -329,9 +355,9 @@ func (s *Server) openConversation(r *http.Request, cr *chatRequest) *conversatio
 	if err := s.digests.hash(cr.tenant, cr.forward); err != nil {
 		s.log.Warn("message digest failed", zap.String("request_id", infoFrom(r.Context()).id), zap.Error(err))
 	}
-	id := conversationID(r, s.cfg.Compaction.ConversationHeaders, cr.forward)
 	cr.seedIn = seedInputOf(cr.req)
 	memo := &chainMemo{s: s, seed: s.seedFor(cr.req, &cr.seedIn, cr.parsed.from)}
+	id := conversationID(r, s.cfg.Compaction.ConversationHeaders, s.idSeed(cr.req, &cr.seedIn, memo.seed), cr.forward)
 	// The messages the body shares with the tenant's earlier body keep
 	// that body's chain when the seed (model and prompt fields) is the same.
 	if e, n := cr.parsed.from, cr.parsed.reused; e != nil && e.seed == memo.seed && len(e.chain.chain) > n && n <= len(cr.req.Messages) {
@@ -343,6 +369,17 @@ func (s *Server) openConversation(r *http.Request, cr *chatRequest) *conversatio
 		identity: s.modelIdentity(cr.req.Model),
 		memo:     memo,
 	}
+}
+
+// recordChain is the planner's chain of view: its records and lineages
+// are keyed after the leading system messages (compaction.RecordChain), so
+// a system prompt that changes per request keeps them.
+func (cv *conversation) recordChain(view []chat.Message) ([]anchor.Digest, error) {
+	k, err := cv.memo.view(view)
+	if err != nil {
+		return nil, err
+	}
+	return compaction.RecordChain(cv.memo.seed, k.digests, compaction.LeadingSystem(view)), nil
 }
 
 // rememberParse keeps this request's parsed messages, digests and chain

@@ -285,3 +285,38 @@ func TestSwarmWorkersKeepOwnLatch(t *testing.T) {
 		t.Fatalf("summarize calls %d, want 2 (A once, B once)", n)
 	}
 }
+
+// Issue 19 review item 1: an agent whose system prompt changes on every
+// request (a clock, a git status), no conversation header, a summarizer
+// that always fails. The records, latch and throttle are keyed after the
+// system messages, and the derived conversation id ignores the system
+// prompt: one summarize call, then the latch holds for latch_growth
+// messages. Keyed on the system prompt, every step was a new lineage (and
+// a new conversation): a summarize call per step.
+func TestChangingSystemPromptKeepsLatch(t *testing.T) {
+	up := countingUpstream(t)
+	sum := newSummarizerServer(t)
+	sum.fail.Store(true)
+	p := newTestProxy(t, compactionConfig(up.URL, sum.URL))
+	a := newAgent()
+	for a.step < 16 {
+		a.toolStep(800)
+	}
+	ids := map[string]bool{}
+	for i := 0; i < 8; i++ {
+		a.msgs[0] = fmt.Sprintf(`{"role":"system","content":"You are a coding agent. Time: 09:%02d:%02d. git status: %d files changed."}`, 10+i, 7*i%60, i)
+		a.toolStep(120)
+		resp := p.post(t, "/v1/chat/completions", a.body(), "Authorization", "Bearer k")
+		readAll(t, resp)
+		if resp.StatusCode != 200 {
+			t.Fatalf("request %d: status %d", i, resp.StatusCode)
+		}
+		ids[resp.Header.Get("X-Compactproxy-Conversation-Id")] = true
+	}
+	if len(ids) != 1 {
+		t.Errorf("%d conversation ids for one agent whose system prompt changes, want 1", len(ids))
+	}
+	if n := sum.calls.Load(); n != 1 {
+		t.Fatalf("summarize calls %d in 8 steps with a failing summarizer, want 1 (then the latch)", n)
+	}
+}

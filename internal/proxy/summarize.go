@@ -421,7 +421,7 @@ func (s *Server) presummarize(ctx context.Context, r *http.Request, cr *chatRequ
 	if window == 0 || s.planner == nil {
 		return
 	}
-	chain, _, err := cv.memo.chain(cr.client)
+	chain, err := cv.recordChain(cr.client)
 	if err != nil {
 		return
 	}
