@@ -31,11 +31,13 @@
 //     whole is always measured with the Estimator.
 //   - keep_tail 0 still keeps the client's final message (it must stay
 //     final); the cut walks back over tool and function results.
-//   - The ask (most recent text-only user message) is re-inserted after the
-//     summary when it lies in the head. If the tail itself starts with a
-//     user message (one with an image: a text-only one would be the ask),
-//     the ask is quoted at the end of the summary message instead, so two
-//     user messages never meet.
+//   - The ask (the most recent user message: text, or text with image or
+//     audio parts) is re-inserted after the summary when it lies in the
+//     head. A re-applied summary keeps its ask (a byte-stable prefix) and
+//     decides its acknowledgement against the message at its cut now; a
+//     client that rewound to the cut with a new instruction gets no ask
+//     (the tail carries the latest instruction). Summaries stored with the
+//     ask quoted inside them (AskInline, no longer made) render as before.
 //   - "Replacing the head can reach the target" is tested with a placeholder
 //     summary of Config.SummaryTokens and the tail as it stands; when it
 //     cannot, step 4 runs without a summarize (and without a suppression).

@@ -54,9 +54,8 @@ func (r *run) reapply() plan {
 		return p
 	}
 	ch := r.in.Chain
-	if s := r.st.Summary; s != nil && s.Lead == r.lead && s.Cut > s.Lead && s.Cut < r.n &&
-		ch[s.Cut] == s.Head && s.Ask < s.Cut {
-		p.sum = s
+	if s := r.st.Summary; s != nil && s.Lead == r.lead && s.Cut > s.Lead && s.Cut < r.n && ch[s.Cut] == s.Head {
+		p.sum = r.rejoined(*s)
 	}
 	for _, t := range r.st.Trims {
 		if t.Index < 0 || t.Index >= r.n-1 || ch[t.Index+1] != t.Prefix {

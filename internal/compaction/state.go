@@ -80,12 +80,11 @@ type Summary struct {
 	// Ack is true when an assistant acknowledgement follows the summary
 	// message (the next message is a user message).
 	Ack bool
-	// Ask is the client position of the most recent text-only user message
-	// of the summarized head, re-inserted verbatim after the summary (and
-	// the acknowledgement); -1 when none. When AskInline is set, the tail
-	// starts with a user message of its own, so the ask is quoted at the end
-	// of the summary message instead of being a message (two user messages
-	// never meet).
+	// Ask is the client position of the most recent user message when it
+	// lies in the summarized head, re-inserted verbatim after the summary
+	// (and the acknowledgement); -1 when none. AskInline (no longer made;
+	// kept so summaries stored by earlier versions render as they did): the
+	// ask is quoted at the end of the summary message instead.
 	Ask       int
 	AskInline bool
 }

@@ -8,22 +8,48 @@ import (
 	"github.com/compactproxy/compactproxy/internal/chat"
 )
 
-// askFor returns the client position of the most recent text-only user
-// message when it lies in the head [lead, cut) (-1 when the tail carries
-// one, or there is none) and whether it must be quoted inside the summary
-// because the tail itself starts with a user message.
-func (r *run) askFor(cut int) (int, bool) {
+// askFor returns the client position of the most recent user message
+// (the instruction being worked on: text, or text with image or audio
+// parts) when it lies in the head [lead, cut); -1 when the tail carries
+// it (never twice) or there is none.
+func (r *run) askFor(cut int) int {
 	for i := r.n - 1; i >= r.lead; i-- {
-		m := &r.msgs[i]
-		if m.Role != "user" || m.MediaParts > 0 {
+		if r.msgs[i].Role != "user" {
 			continue
 		}
 		if i >= cut {
-			return -1, false
+			return -1
 		}
-		return i, r.msgs[cut].Role == "user"
+		return i
 	}
-	return -1, false
+	return -1
+}
+
+// joined returns s with its ask and acknowledgement decided against the
+// client's messages as they are now: the ask re-inserted when the most
+// recent user message lies in the summarized head, the acknowledgement
+// when the next message would be a user message (roles alternate for
+// strict templates). For a summary made now or applied from the
+// background.
+func (r *run) joined(s Summary) *Summary {
+	s.Ask, s.AskInline = r.askFor(s.Cut), false
+	s.Ack = s.Ask >= 0 || r.msgs[s.Cut].Role == "user"
+	return &s
+}
+
+// rejoined is joined for a stored summary re-applied to a later request:
+// its ask stays (the prefix it forwards stays byte-stable while the client
+// appends), unless the message at the cut is now a user message of its
+// own (a client that rewound to the cut and sent a new instruction: the
+// tail carries the latest instruction, and two user messages would meet);
+// the acknowledgement follows what comes next now.
+func (r *run) rejoined(s Summary) *Summary {
+	atCut := r.msgs[s.Cut].Role
+	if atCut == "user" && s.Ask >= 0 && !s.AskInline {
+		s.Ask = -1
+	}
+	s.Ack = (s.Ask >= 0 && !s.AskInline) || atCut == "user"
+	return &s
 }
 
 // applyPending applies the background summary when its head still matches
@@ -36,14 +62,8 @@ func (r *run) applyPending(p *plan, base plan, headStart, cur int) (plan, int, b
 		ps.Cut >= r.n || r.in.Chain[ps.Cut] != ps.Head {
 		return plan{}, 0, false
 	}
-	s := *ps
-	s.Ask, s.AskInline = r.askFor(s.Cut)
-	next := r.msgs[s.Cut].Role
-	if s.Ask >= 0 && !s.AskInline {
-		next = "user"
-	}
-	s.Ack = next == "user"
-	q := withSummary(base, &s)
+	s := r.joined(*ps)
+	q := withSummary(base, s)
 	e := r.summaryEst(q)
 	if e >= cur {
 		return plan{}, 0, false
@@ -103,15 +123,7 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 	// summary's room is the target minus the view without the head
 	// (system messages, the summary's label, acknowledgement, ask, tail).
 	measure := func(cut int) (cand *Summary, base plan, withoutHead, room int) {
-		ask, inline := r.askFor(cut)
-		next := r.msgs[cut].Role
-		if ask >= 0 && !inline {
-			next = "user"
-		}
-		cand = &Summary{
-			Cut: cut, Head: r.in.Chain[cut], Lead: r.lead,
-			Ack: next == "user", Ask: ask, AskInline: inline,
-		}
+		cand = r.joined(Summary{Cut: cut, Head: r.in.Chain[cut], Lead: r.lead})
 		base = withSummary(*p, cand)
 		withoutHead = r.est(r.view(base))
 		room = target - withoutHead
