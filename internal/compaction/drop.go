@@ -48,43 +48,48 @@ func (r *run) dropTurns(p *plan, cur, budget, target int) int {
 	}
 	// The drop sets, oldest units first: each adds the next unit unless
 	// that would bring two user or two assistant messages together (the
-	// unit is kept then, and later ones may still go).
-	valid := func(q plan) bool {
-		for _, d := range q.drops {
-			before, after := r.roleBefore(q, d.From), r.msgs[d.To].Role
-			if (before == "user" || before == "assistant") && before == after {
-				return false
-			}
-		}
-		return true
-	}
-	var sets []plan // sets[k] drops k+1 units
+	// unit is kept then, and later ones may still go). Only the drop a unit
+	// extends or opens can become invalid (the others and their
+	// neighbours are unchanged), so each unit costs O(1): drops grows in
+	// place and a set is its length and its last drop's end (linear in the
+	// number of turns; a 32 MiB body of tiny turns must not pin a core).
+	type dropSet struct{ n, lastTo int }
+	var drops []Drop
+	var sets []dropSet // sets[k] drops k+1 units
 	headSets := 0
-	var chosen []dropUnit
+	lastBefore := "" // the role before the last drop's start
 	for _, u := range units {
-		try := append(slices.Clone(chosen), u)
-		q := *p
-		q.drops = nil
-		for _, c := range try {
-			if m := len(q.drops); m > 0 && q.drops[m-1].To == c.from {
-				q.drops[m-1].To = c.to
-				continue
-			}
-			q.drops = append(q.drops, Drop{From: c.from, To: c.to})
+		after := r.msgs[u.to].Role
+		merge := len(drops) > 0 && drops[len(drops)-1].To == u.from
+		before := lastBefore
+		if !merge {
+			before = r.roleBefore(*p, u.from)
 		}
-		if !valid(q) {
+		if (before == "user" || before == "assistant") && before == after {
 			continue
 		}
+		if merge {
+			drops[len(drops)-1].To = u.to
+		} else {
+			drops = append(drops, Drop{From: u.from, To: u.to})
+			lastBefore = before
+		}
+		sets = append(sets, dropSet{len(drops), u.to})
+		if u.to <= r.tail {
+			headSets = len(sets)
+		}
+	}
+	// planOf is the plan that drops set k's units.
+	planOf := func(k int) plan {
+		q := *p
+		q.drops = slices.Clone(drops[:sets[k].n])
+		q.drops[len(q.drops)-1].To = sets[k].lastTo
 		if r.chain {
 			for i := range q.drops {
 				q.drops[i].Prefix = r.in.Chain[q.drops[i].To]
 			}
 		}
-		chosen = try
-		sets = append(sets, q)
-		if u.to <= r.tail {
-			headSets = len(sets)
-		}
+		return q
 	}
 	// pick returns the first of sets[:limit] whose view is at goal or
 	// below, else the last (the estimate falls as more units go).
@@ -92,13 +97,14 @@ func (r *run) dropTurns(p *plan, cur, budget, target int) int {
 		lo, hi := 0, limit-1
 		for lo < hi {
 			mid := (lo + hi) / 2
-			if r.est(r.view(sets[mid])) <= goal {
+			if r.est(r.view(planOf(mid))) <= goal {
 				hi = mid
 			} else {
 				lo = mid + 1
 			}
 		}
-		return sets[lo], r.est(r.view(sets[lo]))
+		q := planOf(lo)
+		return q, r.est(r.view(q))
 	}
 	if headSets > 0 {
 		if q, e := pick(headSets, target-1); e < cur {
@@ -119,17 +125,17 @@ func (r *run) dropTurns(p *plan, cur, budget, target int) int {
 }
 
 // roleBefore is the role of the forwarded message just before client
-// position i under q ("" at the start).
+// position i when nothing before i is dropped: the summary block's last
+// message when i is the summary's cut, else the client's message ("" at
+// the start).
 func (r *run) roleBefore(q plan, i int) string {
-	for j := i - 1; j >= 0; j-- {
-		if q.sum != nil && j < q.sum.Cut && j >= q.sum.Lead {
-			b := r.block(q.sum)
-			return b[len(b)-1].Role
-		}
-		if q.dropped(j) {
-			continue
-		}
-		return r.msgs[j].Role
+	j := i - 1
+	if j < 0 {
+		return ""
 	}
-	return ""
+	if q.sum != nil && j < q.sum.Cut && j >= q.sum.Lead {
+		b := r.block(q.sum)
+		return b[len(b)-1].Role
+	}
+	return r.msgs[j].Role
 }
