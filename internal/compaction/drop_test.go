@@ -62,4 +62,3 @@ func BenchmarkDropManyTurns(b *testing.B) {
 		p.Plan(in)
 	}
 }
-
