@@ -16,7 +16,7 @@ func (r *run) finish(out Output, p plan, cur int) Output {
 			break
 		}
 	}
-	fresh := r.newTrims || r.newSum || r.newDrop || r.usedPending
+	fresh := r.newTrims || r.newSum || r.newDrop || r.usedPending || r.shrunk
 
 	out.Messages = in.Messages
 	if !p.empty() {
@@ -58,7 +58,7 @@ func (r *run) finish(out Output, p plan, cur int) Output {
 	if r.newDrop {
 		r.ev.NewActions = append(r.ev.NewActions, ActionDropped)
 	}
-	if r.newTrims {
+	if r.newTrims || r.shrunk {
 		r.ev.NewActions = append(r.ev.NewActions, ActionTrimmed)
 	}
 	if r.due {

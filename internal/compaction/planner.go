@@ -332,6 +332,8 @@ type run struct {
 	floor int  // the tail's floor: keep_tail messages, never opening on a tool result
 	keep  int  // Trim.Keep for new trims of step 1
 	scale float64
+	// room is the budget less the fixed part (0 until known).
+	room  int
 	ratio float64 // provider tokens per local token (Estimate.Ratio)
 	st    State
 	ev    Events
@@ -343,6 +345,11 @@ type run struct {
 	reapplied map[int]int
 
 	newTrims, newSum, newDrop bool
+	// shrunk: the last resort excerpted the re-applied summary.
+	shrunk bool
+	// guarded: the progress guard withheld a summary (the view is within
+	// the budget: the verbatim tail stays verbatim).
+	guarded bool
 	// due: a summary is due and the view does not carry it
 	// (ActionSummarizePending): need asks for it, or shadow mode
 	// only reports it.
@@ -417,6 +424,7 @@ func (r *run) compact() Output {
 	// messages and the request's overhead, as estimated).
 	out.Fixed = r.est(r.msgs[:r.lead:r.lead])
 	room := out.Budget - out.Fixed
+	r.room = room
 	if room <= 0 {
 		out.Trigger, out.Target = out.Budget, out.Budget
 		if cur >= out.Budget {
@@ -466,9 +474,10 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 	}
 
 	// 4. Still over: excerpt the oldest long tool results after the
-	// summary (never the final message), then drop whole turns when over
-	// the budget.
-	if cur >= target {
+	// summary (never the final message; not while the progress guard holds
+	// a view within the budget), then drop whole turns when over the
+	// budget.
+	if cur >= target && !r.guarded {
 		start := p.headStart(r.lead)
 		if cands := r.trimCandidates(*p, start, r.n-1, r.long()); len(cands) > 0 {
 			cur, _ = r.applyTrims(p, cands, r.keep, target)
@@ -485,6 +494,21 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 	}
 	if cur > budget {
 		cur = r.dropTurns(p, cur, budget, target)
+	}
+
+	// The last resort: never forward a view estimated over the window
+	// while a smaller valid one exists. Shrink what the proxy owns (the
+	// re-applied summary) down to the budget; then, over the window (a
+	// certain refusal), excerpt the final turn's tool results, the final
+	// message last. What is still over the window is forwarded, and said.
+	if cur > budget && p.sum != nil {
+		cur = r.shrinkSummary(p, cur, budget)
+	}
+	if window := r.in.Window; cur > window {
+		if cands := r.trimCandidates(*p, p.headStart(r.lead), r.n, 0); len(cands) > 0 {
+			cur, _ = r.applyTrims(p, cands, tightKeep, window+1)
+		}
+		r.ev.Impossible = cur > window
 	}
 	return cur
 }

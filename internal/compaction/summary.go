@@ -198,11 +198,25 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 	// stays over the trigger after a summary would otherwise be summarized
 	// again at every step), unless the view is over the budget: then the
 	// alternative is a drop, and a summary that fits comes first.
+	//
+	// The progress guard: a compaction aims at the target so that the
+	// next steps fit without compacting again; a new summary is made only
+	// once it folds at least max(summary_min_tokens, a quarter of the room)
+	// of history not yet summarized. Until then the cheaper steps (trim,
+	// excerpts, re-applying what is stored) keep the view under the
+	// budget; the guard yields when they cannot.
 	fresh := r.est(r.prefixView(*p, cut)) - r.est(r.prefixView(*p, headStart))
-	if room < cfg.minRoom() || headTokens < cfg.minRoom() || (fresh < cfg.SummaryMinTokens && cur <= budget) {
+	if room < cfg.minRoom() || headTokens < cfg.minRoom() {
 		return cur, false // no summary fits: step 4
 	}
-	limit := min(cfg.SummaryTokens, room, headTokens)
+	if fresh < r.progress() && cur <= budget {
+		r.guarded = true
+		return cur, false
+	}
+	// Ask for no more than can be used: the room, and half of what the
+	// summary folds (small local models write to their limit; a summary
+	// is never asked to be as large as the history it replaces).
+	limit := min(cfg.SummaryTokens, room, max(headTokens/2, 1))
 
 	if q, e, ok := r.applyPending(p, base, headStart, cur); ok {
 		*p = q
@@ -275,6 +289,8 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 			r.st.Latched, r.st.LatchCount = false, 0
 			return e, true
 		}
+		// Asked for at most half of what it folds, a summary within its
+		// limit always shrinks the view: one that does not ignored it.
 		err = fmt.Errorf("%w (%d tokens, %d before)", ErrSummaryNotSmaller, e, cur)
 	}
 	r.ev.SummaryError = err
@@ -283,4 +299,45 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 		r.ev.LatchEngaged = cfg.LatchGrowth > 0
 	}
 	return cur, false
+}
+
+// progress is the least history not yet summarized that a new summary
+// must fold (the progress guard): summary_min_tokens, or a quarter of the
+// room when that is more.
+func (r *run) progress() int { return max(r.cfg.SummaryMinTokens, r.room/4) }
+
+// summaryFloorBytes is the least of its text an excerpted summary keeps.
+const summaryFloorBytes = 256
+
+// shrinkSummary is the last resort's first step: the re-applied summary is
+// what the proxy owns, so when the view is still over the budget after the
+// drop it is excerpted (head and tail kept, a marker saying how much was
+// elided) to what the budget leaves it, and stored so that later requests
+// forward the same prefix. It returns the view's new estimate.
+func (r *run) shrinkSummary(p *plan, cur, budget int) int {
+	s := p.sum
+	_, text := r.summarySplit(*p)
+	if s == nil || text <= 0 || len(s.Text) <= summaryFloorBytes {
+		return cur
+	}
+	want := text - (cur - budget) - 8 // the marker's tokens
+	keep := max(int(float64(len(s.Text))*float64(max(want, 0))/float64(text)), summaryFloorBytes)
+	short, ok := excerpt(s.Text, keep)
+	if !ok {
+		return cur
+	}
+	ns := *s
+	ns.Text = short
+	if s.Tokens > 0 {
+		ns.Tokens = s.Tokens*len(short)/len(s.Text) + 16
+	}
+	q := *p
+	q.sum = &ns
+	e := r.summaryEst(q)
+	if e >= cur {
+		return cur
+	}
+	*p = q
+	r.shrunk = true
+	return e
 }

@@ -53,11 +53,20 @@ func (s *Server) report(cr *chatRequest, cv *conversation, pass compaction.Pass)
 	}
 	first := pass != compaction.PassRecover
 	if out.Events.Impossible && first {
+		// The window cannot hold the request: the fixed part alone is over
+		// the budget, or what compaction may never remove (the fixed part,
+		// the task, the latest instruction, the final turn excerpted) is
+		// over the window. Counted per request, logged once per
+		// conversation.
 		s.metrics.CompactionImpossible.Inc()
 		if s.impossible.once(cv.key) {
-			s.log.Warn("fixed part over the budget; forwarding without compaction",
-				zap.String("request_id", cr.reqID), zap.String("conversation", cv.id),
-				zap.Int("fixed_tokens", out.Fixed), zap.Int("budget", out.Budget))
+			msg := "fixed part over the budget; forwarding without compaction"
+			if out.Fixed < out.Budget {
+				msg = "request over the window after every compaction step; forwarding the smallest view"
+			}
+			s.log.Warn(msg, zap.String("request_id", cr.reqID), zap.String("conversation", cv.id),
+				zap.Int("fixed_tokens", out.Fixed), zap.Int("forwarded_tokens", out.Forwarded),
+				zap.Int("budget", out.Budget), zap.Int("window", s.windows.get(cr.req.Model)))
 		}
 	}
 	action := string(out.Action)
