@@ -130,6 +130,9 @@ const minSpread = 0.3
 type Fit struct {
 	Overhead float64
 	Ratio    float64
+	// Pairs is how many (reported, local) pairs the fit was learned from
+	// (0 for a fit given as it is).
+	Pairs int
 }
 
 // ratio is f.Ratio clamped to [MinRatio, MaxRatio] (1 when unset or NaN).
@@ -218,6 +221,7 @@ func (c *Calibration) Observe(model string, reported, local int) {
 	m.next = (m.next + 1) % calibrationWindow
 	m.n = min(m.n+1, calibrationWindow)
 	m.fit = fitPairs(m.recent[:m.n], m.fit.Overhead)
+	m.fit.Pairs = m.n
 }
 
 // fitPairs fits reported = overhead + ratio × local by least squares. When
@@ -372,6 +376,16 @@ func EstimateView(chain []Digest, local []int, anchors []Anchor, fit Fit) Estima
 	ratio := fit.ratio()
 	if best >= 0 {
 		a := anchors[best]
+		if fit.Pairs == 1 {
+			// One pair cannot tell the request's fixed cost (a tools
+			// array, the template) from its per-token cost: its ratio
+			// carries the whole overhead (4x, the bound, at step 2 with a
+			// tools array on a real-tokenizer 8k model: +200%). The
+			// messages after the anchor count at face value until a
+			// second pair, or a shorter anchor's marginal rate, says
+			// otherwise.
+			ratio = 1
+		}
 		// The conversation's own marginal rate, when a shorter anchor of
 		// the same view exists: what its messages between the two
 		// measurements cost, free of the request's fixed part (a fit with

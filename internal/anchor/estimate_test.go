@@ -515,3 +515,43 @@ func TestEstimateViewMarginalRate(t *testing.T) {
 		t.Errorf("estimate %+v with one anchor, want the fit's ratio", got)
 	}
 }
+
+// Issue 19 (real tokenizers): after the first request of a model, the fit
+// holds one pair, whose ratio carries the request's fixed cost (a tools
+// array): 437 tokens reported for 91 local ones, a ratio of 4.8 (the
+// bound 4). The next step's anchored estimate scaled its new messages by
+// it: +200% against llama-server's count. One pair's ratio is not used for
+// the suffix; the messages after the anchor count at face value.
+func TestEstimateViewColdFit(t *testing.T) {
+	seed := Seed("up/m", nil)
+	var msgs []chat.Message
+	for i := range 4 {
+		words := 2
+		if i >= 2 {
+			words = 40 // the step's tool result
+		}
+		msgs = append(msgs, testMessage(t, fmt.Sprintf(`{"role":"user","content":"message %d: %s"}`, i, strings.Repeat("some words of code ", words))))
+	}
+	chain, local, err := ViewChain(seed, msgs, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := NewCalibration(0)
+	c.Observe("up/m", 437, local[0]+local[1]) // the first request: a large fixed part
+	fit := c.Fit("up/m")
+	if fit.Pairs != 1 || fit.ratio() < 2 {
+		t.Fatalf("setup: fit %+v, want one pair whose ratio carries the overhead", fit)
+	}
+	a := Anchor{PrefixLen: 2, Prefix: chain[2], Input: 437, Local: local[0] + local[1]}
+	got := EstimateView(chain, local, []Anchor{a}, fit)
+	if want := 437 + local[2] + local[3]; got.Tokens != want {
+		t.Fatalf("estimate %+v, want %d (the suffix at face value)", got, want)
+	}
+	// A second pair: the fit is used again.
+	c.Observe("up/m", 437+local[2]+local[3], local[0]+local[1]+local[2]+local[3])
+	if fit := c.Fit("up/m"); fit.Pairs != 2 {
+		t.Fatalf("fit %+v after two pairs", fit)
+	} else if got := EstimateView(chain, local, []Anchor{a}, fit); got.Ratio != fit.ratio() {
+		t.Fatalf("with two pairs the estimate's ratio is %v, want the fit's %v", got.Ratio, fit.ratio())
+	}
+}

@@ -209,6 +209,12 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 	if room < cfg.minRoom() || headTokens < cfg.minRoom() {
 		return cur, false // no summary fits: step 4
 	}
+	// A background summary that is ready costs no model call: it applies
+	// whatever the guard, which is about calls.
+	if q, e, ok := r.applyPending(p, base, headStart, cur); ok {
+		*p = q
+		return e, true
+	}
 	if fresh < r.progress() && cur <= budget {
 		r.guarded = true
 		return cur, false
@@ -217,11 +223,6 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 	// summary folds (small local models write to their limit; a summary
 	// is never asked to be as large as the history it replaces).
 	limit := min(cfg.SummaryTokens, room, max(headTokens/2, 1))
-
-	if q, e, ok := r.applyPending(p, base, headStart, cur); ok {
-		*p = q
-		return e, true
-	}
 
 	n := r.n
 	if r.st.Latched {
