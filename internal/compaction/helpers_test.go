@@ -132,7 +132,7 @@ func (d *driver) plan(ctx context.Context, in Input, obtain bool) Output {
 		return out
 	}
 	text, err := d.sum.Summarize(ctx, *out.Need)
-	in.Summary = ResultFor(out.Need, text, err, ctx.Err() != nil)
+	in.Summary = ResultFor(out.Need, text, 0, err, ctx.Err() != nil)
 	return d.p.Plan(in)
 }
 

@@ -117,15 +117,21 @@ type SummaryResult struct {
 	// Text is the summarizer's answer; Err why there is none.
 	Text string
 	Err  error
+	// Tokens is the answer's size as the summarizer reported it (its
+	// completion tokens; 0 = not reported). When the summarizer is the
+	// upstream's model (Input.SummaryInUpstreamTokens) it is the summary's
+	// exact size in the window's tokens.
+	Tokens int
 	// Canceled: the call was given up because its requester went away,
 	// which says nothing about the summarizer (no latch).
 	Canceled bool
 }
 
-// ResultFor returns the answer to req: text or err, canceled when the
-// call was given up for a reason of the requester's.
-func ResultFor(req *SummaryRequest, text string, err error, canceled bool) *SummaryResult {
-	return &SummaryResult{Cut: req.Cut, At: req.At, Text: text, Err: err, Canceled: canceled}
+// ResultFor returns the answer to req: text of tokens reported tokens (0 =
+// not reported), or err; canceled when the call was given up for a reason
+// of the requester's.
+func ResultFor(req *SummaryRequest, text string, tokens int, err error, canceled bool) *SummaryResult {
+	return &SummaryResult{Cut: req.Cut, At: req.At, Text: text, Tokens: tokens, Err: err, Canceled: canceled}
 }
 
 // answers reports whether res answers a summary of the client's messages
@@ -186,10 +192,11 @@ type Input struct {
 	// same Input returned in Output.Need; nil before one was obtained.
 	Summary *SummaryResult
 	// SummaryInUpstreamTokens: the summarizer is the upstream's model, so
-	// its limit (the call's max tokens) counts the same tokens as the
-	// window. A summary asked for n tokens then takes at most n in the view,
-	// whatever the estimator's ratio (calibrated on the conversation: code
-	// and tool output) makes of its prose.
+	// its reported completion tokens (else its limit, the call's max
+	// tokens) count the same tokens as the window: a new summary is
+	// counted at that size in the view, whatever the estimator's ratio
+	// (calibrated on the conversation: code and tool output) makes of its
+	// prose.
 	SummaryInUpstreamTokens bool
 	// Measured > 0 is the provider-measured size of this view (from an
 	// overflow error); it overrides the estimate of the client's view, and

@@ -245,11 +245,11 @@ func (s *scriptSession) answer(args []string) string {
 		if len(args) > 1 {
 			n, _ = strconv.Atoi(args[1])
 		}
-		res = ResultFor(need, blob("summary", n), nil, false)
+		res = ResultFor(need, blob("summary", n), 0, nil, false)
 	case "fail":
-		res = ResultFor(need, "", errRejected, false)
+		res = ResultFor(need, "", 0, errRejected, false)
 	case "canceled":
-		res = ResultFor(need, "", errRejected, true)
+		res = ResultFor(need, "", 0, errRejected, true)
 	default:
 		s.t.Fatalf("answer %q", args[0])
 	}

@@ -116,7 +116,10 @@ func (r *run) summarySplit(p plan) (bare, text int) {
 	bare = r.est(r.view(q))
 	text = max(full-bare, 0)
 	if s.Tokens > 0 {
-		text = min(text, s.Tokens)
+		// The upstream's own count of the text (its completion tokens,
+		// or the limit it was given): the estimator's ratio is calibrated
+		// on code and tool output, not on a model's prose.
+		text = s.Tokens
 	}
 	return bare, text
 }

@@ -280,6 +280,9 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 		s.Text = text
 		if r.in.SummaryInUpstreamTokens {
 			s.Tokens = limit
+			if res.Tokens > 0 {
+				s.Tokens = res.Tokens
+			}
 		}
 		q := withSummary(base, &s)
 		e := r.summaryEst(q)

@@ -278,16 +278,30 @@ func (s *Server) requestBuilder(req *chat.Request) summarizer.Builder {
 }
 
 // summarize obtains the summary need asks for, at most
-// compaction.summarizer.max_concurrent at a time in the process.
-func (s *Server) summarize(ctx context.Context, call summarizer.Call, need *compaction.SummaryRequest) (string, error) {
+// compaction.summarizer.max_concurrent at a time in the process, with the
+// completion tokens the summarizer reported for it (0 = not reported).
+func (s *Server) summarize(ctx context.Context, call summarizer.Call, need *compaction.SummaryRequest) (string, int, error) {
 	select {
 	case s.sumSem <- struct{}{}:
 	case <-ctx.Done():
-		return "", ctx.Err()
+		return "", 0, ctx.Err()
 	}
 	defer func() { <-s.sumSem }()
 	call.Request = *need
-	return s.sum.Summarize(ctx, call)
+	tokens := 0
+	count := call.OnUsage
+	call.OnUsage = func(u anchor.Usage) {
+		if count != nil {
+			count(u)
+		}
+		// The last answer is the summary (a chunked transcript folds).
+		tokens = 0
+		if u.HasOutput {
+			tokens = u.Output
+		}
+	}
+	text, err := s.sum.Summarize(ctx, call)
+	return text, tokens, err
 }
 
 // summaryJob is a summary to make for one lineage, detached from the
@@ -392,8 +406,8 @@ func (s *Server) makeSummary(ctx context.Context, name string, fl *flight, job *
 	in := s.planInput(run, conv, li)
 	out := s.planner.Plan(in)
 	if need := out.Need; need != nil {
-		text, err := s.summarize(ctx, job.call, need)
-		in.Summary = compaction.ResultFor(need, text, err, ctx.Err() != nil)
+		text, tokens, err := s.summarize(ctx, job.call, need)
+		in.Summary = compaction.ResultFor(need, text, tokens, err, ctx.Err() != nil)
 		out = s.planner.Plan(in)
 	}
 	background := run.o.pass == compaction.PassBackground
