@@ -62,15 +62,7 @@ var testSeed = anchor.Seed("test/m", nil)
 // chainOf is the client chain the proxy would compute.
 func chainOf(tb testing.TB, msgs []chat.Message) []anchor.Digest {
 	tb.Helper()
-	ds := make([]anchor.Digest, len(msgs))
-	for i := range msgs {
-		d, err := anchor.MessageHash(msgs[i].Raw)
-		if err != nil {
-			tb.Fatal(err)
-		}
-		ds[i] = d
-	}
-	return anchor.Chain(testSeed, ds)
+	return anchor.Chain(testSeed, digestsOf(tb, msgs))
 }
 
 // fakeEstimate: tokens = sum(len(Raw))/4, so tests do not depend on the
