@@ -458,6 +458,16 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 	cfg := r.cfg
 	headStart := p.headStart(r.lead)
 
+	// The progress guard, before anything changes the forwarded prefix: a
+	// view within the budget whose history not yet summarized is under
+	// the guard's amount goes as it is. Trimming it would change the
+	// prefix (the upstream's cache re-evaluates from there) for a step
+	// the next summary folds anyway.
+	if r.summaryWithheld(*p, cur, headStart, budget) {
+		r.guarded = true
+		return cur
+	}
+
 	// 1. Trim tool results outside the leading system messages and the
 	// protected tail, oldest first.
 	if cands := r.trimCandidates(*p, headStart, max(r.tail, headStart), r.long()); len(cands) > 0 {

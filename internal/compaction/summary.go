@@ -305,6 +305,23 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 	return cur, false
 }
 
+// summaryWithheld tells whether the progress guard withholds a summary of
+// p's head up to the tail with the view at cur: the summarizer could make
+// one (on, not latched), the view is within the budget, and the history
+// not yet summarized before the tail is under the guard's amount.
+func (r *run) summaryWithheld(p plan, cur, headStart, budget int) bool {
+	cfg := r.cfg
+	if !cfg.SummarizerEnabled || !r.chain || cur > budget || r.tail <= headStart ||
+		(r.st.Latched && r.n < r.st.LatchCount+cfg.LatchGrowth) {
+		return false
+	}
+	if ps := r.st.Pending; ps != nil && ps.Lead == r.lead && ps.Cut > headStart && ps.Cut < r.n && r.in.Chain[ps.Cut] == ps.Head {
+		return false // a background summary is ready: no call to withhold
+	}
+	fresh := r.est(r.prefixView(p, r.tail)) - r.est(r.prefixView(p, headStart))
+	return fresh < r.progress()
+}
+
 // progress is the least history not yet summarized that a new summary
 // must fold (the progress guard): summary_min_tokens, or a quarter of the
 // room when that is more.
