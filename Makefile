@@ -6,7 +6,7 @@ IMAGE    ?= compactproxy
 VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS  := -s -w -X main.version=$(VERSION)
 
-.PHONY: all build run test e2e-deps agent-deps ops-deps redis-deps bench bench-go bench-load bench-profile soak lint docker clean help
+.PHONY: all build run test llama-matrix e2e-deps agent-deps ops-deps redis-deps bench bench-go bench-load bench-profile soak lint docker clean help
 
 all: lint test build
 
@@ -17,6 +17,7 @@ help:
 	@echo "make bench     go test benchmarks + load harness (not part of make test)"
 	@echo "make bench-profile  pprof CPU profile of compactproxy under the harness (PROFILE_SCENARIO, PROFILE_CONCURRENCY)"
 	@echo "make soak      1,000 streams for 60 s, direct vs through compactproxy (not part of make test)"
+	@echo "make llama-matrix  the wide real llama-server matrix, 2k-32k, LLAMA_RUNS runs each (not part of make test)"
 	@echo "make lint      gofmt check + go vet"
 	@echo "make docker    docker build -t $(IMAGE):$(VERSION) ."
 
@@ -43,6 +44,7 @@ LLAMA_DIR ?= ../shared/llama
 export LLAMA_SERVER_BIN ?= $(abspath $(wildcard $(LLAMA_DIR)/llama-server))
 export LLAMA_MODEL ?= $(abspath $(wildcard $(LLAMA_DIR)/models/stories260K.gguf))
 export LLAMA_TEMPLATES_DIR ?= $(abspath $(wildcard $(LLAMA_DIR)/templates))
+export LLAMA_MODELS_DIR ?= $(abspath $(wildcard $(LLAMA_DIR)/models))
 
 # Installs the real-agent test's agent CLI (the pi coding agent, from
 # test/agent/package-lock.json); test/agent drives it through the binary.
@@ -58,13 +60,19 @@ ops-deps:
 redis-deps:
 	./scripts/redis-deps.sh
 
-# -timeout 30m: test/llama's matrix gets LLAMA_BUDGET (900 s) or half the test
-# binary's deadline (15 min), whichever is less, shared out between its
-# configurations; one past its share stops early. It takes about 6.5 min under
-# CI load. (With -timeout 20m the half-deadline cap of 600 s cut Qwen2.5 2k's
-# share short at step 39.)
+# test/llama runs its short matrix here: every loop goes its 40 steps
+# whatever the machine's speed (nothing is cut short by a time budget), so only
+# behaviour can fail it; -timeout 30m is the hang guard.
 test: e2e-deps agent-deps ops-deps redis-deps
 	$(GO) test -race -count=1 -timeout 30m ./...
+
+# Not part of `make test`: the wide real llama-server matrix (every window ×
+# template × workload, stories260K and the real-tokenizer models at 8k-32k,
+# LLAMA_RUNS runs each, default 3), its report in LLAMA_REPORT
+# (default llama-matrix.txt). Takes an hour or more on 2 cores.
+llama-matrix:
+	LLAMA_MATRIX=full LLAMA_RUNS=$${LLAMA_RUNS:-3} LLAMA_REPORT=$${LLAMA_REPORT:-$(CURDIR)/llama-matrix.txt} \
+		$(GO) test -count=1 -timeout 600m -run TestLlamaAgentLoop -v ./test/llama/
 
 # Not part of `make test`. bench-go: go test benchmarks (parse and rewrite
 # path); bench-load: the load harness (mock upstream, bare proxy, compactproxy;

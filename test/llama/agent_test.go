@@ -152,29 +152,58 @@ var sizes = []int{1200, 600, 900, 400, 750, 1000, 300, 850, 500, 1100}
 // crosses the trigger every few steps. The cache ceiling (what the
 // appended tokens leave for any proxy) is 0.67–0.75 for stress and
 // 0.82–0.88 for paced: the cache goal is judged on paced.
+//
+// With the real-tokenizer models (3.5–4 bytes per token, 8k–32k windows)
+// the results are the size agents produce: paced, a step appends at most a
+// tenth of the room (file reads of 2–10 KB at 8k–32k); large, reads of
+// 0.8–6 KB at 8k, 2–16 KB at 16k and 4–20 KB at 32k, as issue 19's
+// held-out runs had them.
 const (
 	stress = ""
 	paced  = "paced"
+	large  = "large"
 )
 
-// buildScript makes the 40 steps for a window and workload. Deterministic.
-func buildScript(window int, workload string, ws []wsFile) []scriptStep {
-	scale := func(n int) int {
-		if workload == paced {
-			n = n / 4
-			if window <= 2048 {
-				n = n / 3
+// realBytesPerToken is the real tokenizers' rate on the workspace's Go
+// source (measured: 3.5).
+const realBytesPerToken = 3.5
+
+// resultSize is the size in bytes of the tool results of step i.
+func resultSize(cfg llamaConfig, i int) int {
+	s := sizes[i%len(sizes)] // 300–1,200
+	if cfg.real != "" {
+		switch cfg.workload {
+		case large:
+			lo, hi := 800, 6000
+			switch {
+			case cfg.ctx >= 32768:
+				lo, hi = 4000, 20000
+			case cfg.ctx >= 16384:
+				lo, hi = 2000, 16000
 			}
-			return max(n, 40)
+			return lo + (hi-lo)*(s-300)/900
+		default:
+			// At most a tenth of the room (the budget less ~700 tokens of
+			// system prompt, task and tools), a quarter of that at least.
+			room := float64(cfg.budget() - 700)
+			return int(room * 0.1 * realBytesPerToken * float64(s) / 1200)
 		}
-		if window <= 2048 {
-			n = n / 4
-			if n < 150 {
-				n = 150
-			}
-		}
-		return n
 	}
+	if cfg.workload == paced {
+		n := s / 4
+		if cfg.ctx <= 2048 {
+			n = n / 3
+		}
+		return max(n, 40)
+	}
+	if cfg.ctx <= 2048 {
+		return max(s/4, 150)
+	}
+	return s
+}
+
+// buildScript makes the 40 steps for a configuration. Deterministic.
+func buildScript(cfg llamaConfig, ws []wsFile) []scriptStep {
 	call := func(step, k int, name, args string) toolCall {
 		var c toolCall
 		c.ID = fmt.Sprintf("call_%02d_%d", step, k)
@@ -187,7 +216,7 @@ func buildScript(window int, workload string, ws []wsFile) []scriptStep {
 	for i := 1; i <= steps; i++ {
 		var s scriptStep
 		f := ws[i%len(ws)]
-		size := scale(sizes[i%len(sizes)])
+		size := resultSize(cfg, i)
 		switch {
 		case instructions[i+1] != "":
 			// The agent answers in text; the user gives the next task.

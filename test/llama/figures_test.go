@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"sort"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -148,9 +149,32 @@ type figures struct {
 	forwards, summarizes   int
 	overflowRetries        int
 	toolsTokens            int // what the tools array adds to a prompt (exact)
-	baseTokens             int // system prompt + first task, no tools
-	resultBytes            int
-	resultTokens           int
+	fixedTokens            int // the fixed part: system prompt + tools (exact)
+	// Issue 19: the steps whose requests made a summarize call (request
+	// path or background), and the steps that first forwarded a new
+	// summary with that view's reported size and its target.
+	summarizeSteps []int
+	afterSummary   []afterSummary
+	baseTokens     int // system prompt + first task, no tools
+	resultBytes    int
+	resultTokens   int
+}
+
+// afterSummary is the first forwarded view that carries a new summary.
+type afterSummary struct {
+	step, prompt, target int
+}
+
+// target is compactproxy's target for step i's request at its defaults:
+// F + target_ratio (0.6) × (budget − F), the room after the fixed part F
+// with the budget the request's max tokens leave (DESIGN § Budget).
+func (f *figures) target(shape requestShape) int {
+	reserve := 4096
+	if f.cfg.reserve > 0 {
+		reserve = f.cfg.reserve
+	}
+	budget := f.cfg.ctx - min(max(reserve, shape.maxTokens), f.cfg.ctx/4)
+	return f.fixedTokens + int(0.6*float64(budget-f.fixedTokens))
 }
 
 // fwdMessage is the part of a forwarded message the checks read.
@@ -362,6 +386,9 @@ func computeFigures(t *testing.T, cfg llamaConfig, ls *llamaServer, cs []clientS
 			} else {
 				seenSummary[r.summary] = true
 				f.summariesApplied++
+				if r.rep.PromptTokens > 0 {
+					f.afterSummary = append(f.afterSummary, afterSummary{step: st.n, prompt: r.rep.PromptTokens})
+				}
 				if f.firstSummarized == 0 {
 					f.firstSummarized = st.n
 				}
@@ -411,6 +438,9 @@ func computeFigures(t *testing.T, cfg llamaConfig, ls *llamaServer, cs []clientS
 			sumCachedS += max(s.reported.CachedTokens, 0)
 		}
 		f.sums = append(f.sums, s)
+		if n := len(f.summarizeSteps); n == 0 || f.summarizeSteps[n-1] != c.Step {
+			f.summarizeSteps = append(f.summarizeSteps, c.Step)
+		}
 	}
 	if sumPromptS > 0 {
 		f.sumCacheReuse = float64(sumCachedS) / float64(sumPromptS)
@@ -430,6 +460,16 @@ func computeFigures(t *testing.T, cfg llamaConfig, ls *llamaServer, cs []clientS
 		t.Errorf("counting the fixed part: %v %v", errA, errB)
 	}
 	f.toolsTokens, f.baseTokens = a-b, b
+	sysOnly, _ := json.Marshal(map[string]any{"messages": base[:1], "tools": tools})
+	if n, err := ls.countTokens(sysOnly); err == nil {
+		f.fixedTokens = n
+	} else {
+		t.Errorf("counting the fixed part: %v", err)
+	}
+	for i := range f.afterSummary {
+		a := &f.afterSummary[i]
+		a.target = f.target(cs[a.step-1].shape)
+	}
 	for _, s := range script {
 		for _, r := range s.results {
 			text, _ := r.Content.(string)
@@ -487,8 +527,16 @@ func (f *figures) render() string {
 		window = fmt.Sprintf("upstream.context_window=%d", f.cfg.ctx)
 	}
 	settings := "compactproxy's defaults"
-	if f.cfg.profile == smallWindow {
+	switch {
+	case f.cfg.profile == smallWindow:
 		settings = "small-window profile " + strings.Join(smallWindowSettings, " ")
+	case f.cfg.capped:
+		settings = fmt.Sprintf("defaults but summarizer.max_tokens %d (the old harness cap)", summaryTokens(f.cfg.ctx))
+	case f.cfg.reserve > 0:
+		settings = fmt.Sprintf("defaults but reserve_tokens %d", f.cfg.reserve)
+	}
+	if f.cfg.real != "" {
+		tmpl = "embedded " + f.cfg.real + " (real tokenizer)"
 	}
 	w("=== %s: llama-server -c %d (n_ctx %d), template %s, window %s; %d steps in %v; %s", f.cfg.name, f.cfg.ctx, f.nCtx, tmpl, window, len(f.rows), f.duration.Round(time.Millisecond), settings)
 	w("fixed part: system+task %d tokens, tools array +%d tokens (%d tools); tool results %d bytes / %d tokens = %.2f bytes/token",
@@ -511,6 +559,11 @@ func (f *figures) render() string {
 	row("actions (X-Compactproxy-Compaction)", strings.Join(acts, " "), "", true)
 	row("summaries forwarded; first step / first reuse", fmt.Sprintf("%d; %d / %d", f.summariesApplied, f.firstSummarized, f.firstReusedAfter), "both > 0", f.firstSummarized > 0 && f.firstReusedAfter > 0)
 	row("summarize_total success / failure", fmt.Sprintf("%.0f / %.0f", f.sumSuccess, f.sumFail), "", true)
+	consec, paced := f.consecutiveSummaries(), f.pacedSummaryLimit()
+	row("summarize calls: steps (request path + background)", fmt.Sprintf("%d: %s", len(f.summarizeSteps), ints(f.summarizeSteps)),
+		fmt.Sprintf("<= %s; none consecutive at >= 8k", paced), f.summaryCountOK() && (f.cfg.ctx < 8192 || consec == 0))
+	under, n := f.afterSummaryUnderTarget()
+	row("views right after a new summary <= target (+5%)", fmt.Sprintf("%d of %d", under, n), ">= 90% at >= 8k", f.cfg.ctx < 8192 || n == 0 || under*10 >= n*9)
 	row("drops: steps answered dropped / compactions_total", fmt.Sprintf("%d / %.0f", f.drops, f.dropMetric), "0 while failure=0", !(f.sumFail == 0 && (f.drops > 0 || f.dropMetric > 0)))
 	row("steps missing latest instruction", ints(f.latestMissing), "none", len(f.latestMissing) == 0)
 	row("dropped steps missing the original ask", ints(f.firstMissing), "none", len(f.firstMissing) == 0)
@@ -593,10 +646,19 @@ func (f *figures) assertGoals(t *testing.T) {
 	t.Helper()
 	notMet := func(format string, args ...any) { t.Logf("GOAL NOT MET: "+format, args...) }
 	if len(f.rows) < steps {
-		notMet("the loop ran %d of %d steps within its time budget (a share of LLAMA_BUDGET); the figures cover those", len(f.rows), steps)
+		t.Errorf("the loop ran %d of %d steps", len(f.rows), steps)
 	}
-	if len(f.rows) < 10 {
-		t.Errorf("the loop ran only %d steps: too few to judge", len(f.rows))
+	// Issue 19: summarize calls only when they make progress.
+	if f.cfg.ctx >= 8192 {
+		if c := f.consecutiveSummaries(); c > 0 {
+			t.Errorf("goal: never a summarize call on two consecutive steps at >= 8k; %d times (steps %s)", c, ints(f.summarizeSteps))
+		}
+		if under, n := f.afterSummaryUnderTarget(); n > 0 && under*10 < n*9 {
+			t.Errorf("goal: the view right after a new summary at or under the target in >= 90%% of compactions; %d of %d", under, n)
+		}
+	}
+	if !f.summaryCountOK() {
+		t.Errorf("goal: at most %s summarize calls in 40 steps; %d (steps %s)", f.pacedSummaryLimit(), len(f.summarizeSteps), ints(f.summarizeSteps))
 	}
 	if f.non200 > 0 {
 		t.Errorf("goal: 0 non-200 answers; got %d", f.non200)
@@ -648,6 +710,51 @@ func (f *figures) assertGoals(t *testing.T) {
 	}
 }
 
+// consecutiveSummaries counts the summarize calls made on the step right
+// after another's.
+func (f *figures) consecutiveSummaries() int {
+	n := 0
+	for i := 1; i < len(f.summarizeSteps); i++ {
+		if f.summarizeSteps[i] == f.summarizeSteps[i-1]+1 {
+			n++
+		}
+	}
+	return n
+}
+
+// pacedSummaryLimit is the issue's bound on summarize calls for this
+// configuration: 3 in 40 steps for the paced workload at 16k–32k; the
+// large-step workloads keep to the progress guard's rate (about one per
+// quarter of the room folded, measured at 8k and 16k: at most 12);
+// elsewhere the rate is reported.
+func (f *figures) pacedSummaryLimit() string {
+	switch {
+	case f.cfg.real != "" && f.cfg.workload == paced && f.cfg.ctx >= 16384:
+		return "3"
+	case f.cfg.real != "" && f.cfg.workload == large:
+		return "12"
+	}
+	return "(shown)"
+}
+
+func (f *figures) summaryCountOK() bool {
+	n, err := strconv.Atoi(f.pacedSummaryLimit())
+	return err != nil || len(f.summarizeSteps) <= n
+}
+
+// afterSummaryUnderTarget counts the first views carrying a new summary
+// whose reported size is at or under the step's target (with 5% for the
+// estimate the proxy aims by).
+func (f *figures) afterSummaryUnderTarget() (under, n int) {
+	for _, a := range f.afterSummary {
+		n++
+		if float64(a.prompt) <= 1.05*float64(a.target) {
+			under++
+		}
+	}
+	return under, n
+}
+
 // cacheBound is the cache figure's regression bound per workload, under
 // the figures measured (docs/performance.md): paced 0.64–0.80, stress 0.49–0.63.
 var cacheBound = map[string]float64{paced: 0.55, stress: 0.3}
@@ -685,7 +792,7 @@ const minAnchoredForBound = 5
 func (f *figures) cacheCeilingFigures(t *testing.T, ls *llamaServer, cs []clientStep, tools []json.RawMessage, final []message) {
 	t.Helper()
 	count := func(k int) (int, bool) {
-		n, err := ls.countTokens(requestBody("stories260K", final[:k], tools, requestShape{}))
+		n, err := ls.countTokens(requestBody(f.cfg.model(), final[:k], tools, requestShape{}))
 		if err != nil {
 			t.Logf("cache ceiling: counting the client's view of %d messages: %v", k, err)
 			return 0, false

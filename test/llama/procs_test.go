@@ -40,9 +40,21 @@ func startLlama(t *testing.T, env llamaEnv, cfg llamaConfig) *llamaServer {
 	t.Helper()
 	addr := freeAddr(t)
 	host, port, _ := net.SplitHostPort(addr)
-	args := []string{"-m", env.model, "--host", host, "--port", port,
+	model := env.model
+	if cfg.real != "" {
+		model = env.realModels[cfg.real]
+		if model == "" {
+			t.Fatalf("no %s real-tokenizer model in LLAMA_MODELS_DIR", cfg.real)
+		}
+	}
+	args := []string{"-m", model, "--host", host, "--port", port,
 		"-c", strconv.Itoa(cfg.ctx), "-np", "1"}
-	if cfg.ctx > 2048 {
+	switch {
+	case cfg.real != "":
+		// The real-tokenizer models embed their family's chat template
+		// and accept contexts up to 32k without overrides.
+		args = append(args, "--jinja")
+	case cfg.ctx > 2048:
 		// stories260K's training context is 2048: a larger -c is capped
 		// unless the model's context length is overridden.
 		args = append(args, "--override-kv", "llama.context_length=int:"+strconv.Itoa(2*cfg.ctx))

@@ -90,7 +90,7 @@ func referenceView(msgs []message, cut, pin int, summary string) []message {
 func (f *figures) lateReference(t *testing.T, ls *llamaServer, cs []clientStep, tools []json.RawMessage, final []message) {
 	t.Helper()
 	tokens := func(msgs []message) ([]json.RawMessage, bool) {
-		toks, err := ls.promptTokens(requestBody("stories260K", msgs, tools, requestShape{}))
+		toks, err := ls.promptTokens(requestBody(f.cfg.model(), msgs, tools, requestShape{}))
 		if err != nil {
 			t.Logf("late-compaction reference: counting a view of %d messages: %v", len(msgs), err)
 			return nil, false
