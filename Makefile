@@ -44,8 +44,9 @@ export LLAMA_SERVER_BIN ?= $(abspath $(wildcard $(LLAMA_DIR)/llama-server))
 export LLAMA_MODEL ?= $(abspath $(wildcard $(LLAMA_DIR)/models/stories260K.gguf))
 export LLAMA_TEMPLATES_DIR ?= $(abspath $(wildcard $(LLAMA_DIR)/templates))
 
-# Installs the real-agent test's agent CLI (the pi coding agent, from
-# test/agent/package-lock.json); test/agent drives it through the binary.
+# Installs the real-agent test's agent CLIs (the pi coding agent and, on
+# linux-x64, opencode's binary, from test/agent/package-lock.json);
+# test/agent drives them through the binary.
 agent-deps:
 	./scripts/agent-deps.sh
 
