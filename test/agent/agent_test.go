@@ -220,8 +220,9 @@ func (c runCase) name() string {
 	return fmt.Sprintf("%s/%dk/%s", c.agent.name, c.window/1024, c.wl.name)
 }
 
-// cases are the runs; those without matrix run in make test (about 80 s
-// on 2 cores; the matrix adds about 45 s).
+// cases are the runs; those without matrix run in make test (the package
+// takes about 80 s on 2 quiet cores, 160 s with the machine loaded; the
+// matrix cases add about 130 s).
 var cases = []runCase{
 	{agent: pi, wl: largeReads, window: 16384},
 	{agent: pi, wl: pacedReads, window: 16384, minCacheReuse: 0.8, maxSummarizePerStep: 0.34},
@@ -237,6 +238,11 @@ var cases = []runCase{
 	// A read of ~4 KB appends ~1,960 tokens, 94% of opencode's room at 16k.
 	{agent: opencode, wl: largeReads, window: 16384, largeFixed: true, readOverRoom: true, matrix: true},
 	{agent: opencode, wl: largeReads, window: 32768, matrix: true},
+	// opencode's fixed part (~10,300 tokens) over the 12k budget (9,216 =
+	// the window less a quarter for output) but under the window: nothing
+	// can help, compactproxy must say so (the metric, one warn line); the
+	// requests still fit the window, so the agent may finish.
+	{agent: opencode, wl: pacedReads, window: 12288, largeFixed: true, matrix: true},
 }
 
 // turn is one chat request of the agent as the recorder saw it.
@@ -767,6 +773,15 @@ func testAgent(t *testing.T, root, bin string, c runCase, maxTokens int, maxFiel
 		}
 	}
 	defer dumpOnFailure()
+	if dir := os.Getenv("AGENT_LOG_DIR"); dir != "" {
+		// Whole logs for a reproduction: compactproxy's JSON lines and the
+		// agent's output, one file each per run.
+		base := filepath.Join(dir, strings.NewReplacer("/", "_").Replace(t.Name()))
+		defer func() {
+			os.WriteFile(base+".proxy.log", []byte(proxy.Log()), 0o644)
+			os.WriteFile(base+".agent.log", []byte(run.stdout+"\n--- stderr ---\n"+run.stderr), 0o644)
+		}()
+	}
 
 	non200 := 0
 	for _, tr := range allTurns {
@@ -792,9 +807,13 @@ func testAgent(t *testing.T, root, bin string, c runCase, maxTokens int, maxFiel
 	}
 	impossible := metricSum(t, proxy, "compactproxy_compaction_impossible_total")
 	finished := run.err == nil && strings.Contains(run.stdout, finalText) && non200 == 0
-	// reportedImpossible: the large-fixed-part case's other acceptable end,
-	// compactproxy saying the window cannot hold the request.
-	reportedImpossible := c.largeFixed && !finished && impossible > 0
+	// reportedImpossible: in a large-fixed-part case, compactproxy said the
+	// window cannot hold the request (DESIGN: the fixed part alone is over
+	// the budget, or nothing compaction may remove is left). The agent may
+	// still finish: a budget leaves room for the output, which the window
+	// need not be short of. Then no summary fits, and the summary and drop
+	// expectations do not apply.
+	reportedImpossible := c.largeFixed && impossible > 0
 	t.Logf("figures: %s %s at %d, max tokens %d: %d script steps of %d, %d agent requests, %d non-200, %d summarize calls (%d answered), actions %v, impossible %v, cache reuse %.2f, %v",
 		c.agent.name, wl.name, window, maxTokens, len(steps), wl.scriptSteps(), len(allTurns), non200, len(summarizes), madeSummaries, actions, impossible, figures.cacheReuse(), run.elapsed.Round(time.Millisecond))
 
@@ -808,16 +827,22 @@ func testAgent(t *testing.T, root, bin string, c runCase, maxTokens int, maxFiel
 	})
 
 	t.Run("agent_finishes", func(t *testing.T) {
-		if reportedImpossible {
+		if impossible > 0 {
 			// Issue 19: the agent finishes, or the proxy says clearly that
 			// the window cannot hold the request: the metric, and one warn
-			// line for the conversation.
+			// line for the conversation (opencode's title request shares
+			// its session id, so it is the same conversation).
 			warns := warnLines(proxy.Log())
-			t.Logf("the agent did not finish (exit %v, %d non-200) and compactproxy counted %v impossible requests; its warn lines: %q", run.err, non200, impossible, warns)
+			t.Logf("compactproxy counted %v impossible requests (agent finished: %v, exit %v, %d non-200); its warn lines: %q", impossible, finished, run.err, non200, warns)
 			if len(warns) != 1 {
 				t.Errorf("compactproxy logged %d warn lines saying the window or budget cannot hold the request, want exactly 1 for the conversation", len(warns))
 			}
-			return
+			if !c.largeFixed {
+				t.Errorf("compaction_impossible_total = %v where the fixed part is small against the window", impossible)
+			}
+			if reportedImpossible && !finished {
+				return // the other acceptable end of a large-fixed-part case
+			}
 		}
 		if run.err != nil {
 			t.Errorf("agent exited with %v", run.err)
@@ -834,9 +859,6 @@ func testAgent(t *testing.T, root, bin string, c runCase, maxTokens int, maxFiel
 		// ls + one read step per file (two files in one) + the final answer.
 		if want := wl.scriptSteps(); len(steps) < want {
 			t.Errorf("the mock answered %d distinct script steps, want %d: the agent did not get through its task", len(steps), want)
-		}
-		if impossible > 0 {
-			t.Errorf("compaction_impossible_total = %v on a run that finished", impossible)
 		}
 	})
 
@@ -908,9 +930,12 @@ func testAgent(t *testing.T, root, bin string, c runCase, maxTokens int, maxFiel
 			"compactproxy_presummarize_total", "compactproxy_compaction_invariant_failures_total",
 			"compactproxy_compaction_impossible_total", "compactproxy_upstream_retries_total"), "; "))
 		if actions["dropped"] > 0 {
-			if c.readOverRoom {
+			switch {
+			case reportedImpossible:
+				t.Logf("%d requests were forwarded with turns dropped: the fixed part is over the budget, so no summary fits and the last resort keeps the floor (the fixed part, the task, the final turn)", actions["dropped"])
+			case c.readOverRoom:
 				t.Logf("%d requests were forwarded with turns dropped: a read fills the room, so no summary fits beside the final turn (DESIGN § Compaction, step 4)", actions["dropped"])
-			} else {
+			default:
 				t.Errorf("%d requests were forwarded with turns dropped while the summarizer works", actions["dropped"])
 			}
 		}
@@ -1014,7 +1039,7 @@ func testAgent(t *testing.T, root, bin string, c runCase, maxTokens int, maxFiel
 	})
 
 	t.Run("upstream_never_overflowed", func(t *testing.T) {
-		if reportedImpossible {
+		if reportedImpossible && !finished {
 			t.Logf("reported impossible: the window cannot hold what compaction may not remove")
 			return
 		}
