@@ -565,6 +565,8 @@ func runOpencode(t *testing.T, root, project, target string, window, maxTokens i
 	for i, perr := range probes {
 		if perr == nil {
 			run.guard = append(run.guard, "reachable:"+probe[i])
+		} else {
+			t.Logf("from opencode's namespace, %s is out of reach: %v", probe[i], perr)
 		}
 	}
 	run.err = wait()
