@@ -221,8 +221,8 @@ func (c runCase) name() string {
 }
 
 // cases are the runs; those without matrix run in make test (the package
-// takes about 80 s on 2 quiet cores, 160 s with the machine loaded; the
-// matrix cases add about 130 s).
+// takes about 80 s on 2 quiet cores, 3.5 min with the machine loaded; the
+// whole matrix about 6 min loaded).
 var cases = []runCase{
 	{agent: pi, wl: largeReads, window: 16384},
 	{agent: pi, wl: pacedReads, window: 16384, minCacheReuse: 0.8, maxSummarizePerStep: 0.34},
