@@ -6,7 +6,7 @@ IMAGE    ?= compactproxy
 VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS  := -s -w -X main.version=$(VERSION)
 
-.PHONY: all build run test llama-matrix e2e-deps agent-deps ops-deps redis-deps bench bench-go bench-load bench-profile soak lint docker clean help
+.PHONY: all build run test llama-matrix agent-matrix e2e-deps agent-deps ops-deps redis-deps bench bench-go bench-load bench-profile soak lint docker clean help
 
 all: lint test build
 
@@ -14,6 +14,7 @@ help:
 	@echo "make build     static binary in $(BIN) (CGO off, -trimpath, version $(VERSION))"
 	@echo "make run       go run ./cmd/compactproxy on the defaults (upstream http://127.0.0.1:8080/v1; override with COMPACTPROXY_UPSTREAM_URL)"
 	@echo "make test      e2e dependencies + go test -race -count=1 ./... (what CI runs)"
+	@echo "make agent-matrix  the real-agent test's whole matrix, opencode's large reads included (not part of make test)"
 	@echo "make bench     go test benchmarks + load harness (not part of make test)"
 	@echo "make bench-profile  pprof CPU profile of compactproxy under the harness (PROFILE_SCENARIO, PROFILE_CONCURRENCY)"
 	@echo "make soak      1,000 streams for 60 s, direct vs through compactproxy (not part of make test)"
@@ -46,8 +47,9 @@ export LLAMA_MODEL ?= $(abspath $(wildcard $(LLAMA_DIR)/models/stories260K.gguf)
 export LLAMA_TEMPLATES_DIR ?= $(abspath $(wildcard $(LLAMA_DIR)/templates))
 export LLAMA_MODELS_DIR ?= $(abspath $(wildcard $(LLAMA_DIR)/models))
 
-# Installs the real-agent test's agent CLI (the pi coding agent, from
-# test/agent/package-lock.json); test/agent drives it through the binary.
+# Installs the real-agent test's agent CLIs (the pi coding agent and, on
+# linux-x64, opencode's binary, from test/agent/package-lock.json);
+# test/agent drives them through the binary.
 agent-deps:
 	./scripts/agent-deps.sh
 
@@ -73,6 +75,13 @@ test: e2e-deps agent-deps ops-deps redis-deps
 llama-matrix:
 	LLAMA_MATRIX=full LLAMA_RUNS=$${LLAMA_RUNS:-3} LLAMA_REPORT=$${LLAMA_REPORT:-$(CURDIR)/llama-matrix.txt} \
 		$(GO) test -count=1 -timeout 600m -run TestLlamaAgentLoop -v ./test/llama/
+
+# Not part of `make test`: test/agent's whole matrix, pi and opencode over
+# both workloads at 16k and 32k (make test runs all but opencode's
+# large_reads). Run as root on linux-x64 for opencode (it runs in a network
+# namespace of its own).
+agent-matrix: agent-deps
+	AGENT_MATRIX=1 $(GO) test -count=1 -timeout 20m -v -run TestRealAgentThroughCompactproxy ./test/agent/
 
 # Not part of `make test`. bench-go: go test benchmarks (parse and rewrite
 # path); bench-load: the load harness (mock upstream, bare proxy, compactproxy;

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -17,10 +18,10 @@ import (
 	"github.com/compactproxy/compactproxy/internal/pairing"
 )
 
-// bytesPerToken is how the mock model counts a prompt: len(body)/1.5, 2.7x
-// the tokens of compactproxy's local bytes/4 estimate, so the undercount
-// compaction exists for is exercised (CRAFT 19).
-const bytesPerToken = 1.5
+// piBytesPerToken is how the mock model counts pi's prompts: len(body)/1.5,
+// 2.7x the tokens of compactproxy's local bytes/4 estimate, so the
+// undercount compaction exists for is exercised (CRAFT 19).
+const piBytesPerToken = 1.5
 
 // turnHeader is set by the recorder in front of compactproxy on every chat
 // request of the agent (its sequence number); compactproxy forwards client
@@ -30,6 +31,10 @@ const turnHeader = "X-Agent-Turn"
 
 // summaryText is what the mock answers a summarize call with.
 const summaryText = "## Goal\nReview every Go file of the project and report.\n## Progress\nThe project was listed and the first files were read; nothing is wrong so far.\n## Next\nRead the remaining files, then answer."
+
+// auxText is what the mock answers an agent's side request with (a request
+// that declares no tools: opencode's session title).
+const auxText = "Review Go files for unsafe retries"
 
 // projectFile is one file of the temporary project; Marker is a line only
 // that file holds, so the mock can tell the agent really read it.
@@ -48,6 +53,10 @@ type scriptCall struct {
 type upstreamReq struct {
 	Turn      int // the recorder's turn number; -1 when absent
 	Summarize bool
+	// Aux: a request of the agent that declares no tools, a side request
+	// of its own (opencode asks for a session title); answered with a
+	// short text, not a script step.
+	Aux       bool
 	Body      []byte
 	Status    int
 	Prompt    int // prompt_tokens the mock counted (and reported when 200)
@@ -71,7 +80,9 @@ type upstreamReq struct {
 // older. Requests over its window get llama.cpp's overflow answer.
 type mockModel struct {
 	window    int
-	prompt    string // the agent's task, the conversation's first user message
+	rate      float64 // bytes per token: prompt_tokens = len(body)/rate + 1
+	dir       string  // the project's directory, for a read tool that wants absolute paths
+	prompt    string  // the agent's task, the conversation's first user message
 	finalText string
 	pairAt    int // files pairAt and pairAt+1 are read in one parallel turn
 	files     []projectFile
@@ -79,14 +90,14 @@ type mockModel struct {
 
 	mu         sync.Mutex
 	reqs       []upstreamReq
-	prevPrompt map[bool][]byte // previous rendered prompt per kind (summarize or not), for cached_tokens
+	prevPrompt map[string][]byte // previous rendered prompt per kind (agent, summarize, aux), for cached_tokens
 	seq        int
 	otherReqs  []string // non-chat requests: "GET /v1/models"
 }
 
-func newMockModel(t *testing.T, window int, prompt, finalText string, pairAt int, files []projectFile) *mockModel {
+func newMockModel(t *testing.T, window int, rate float64, dir, prompt, finalText string, pairAt int, files []projectFile) *mockModel {
 	t.Helper()
-	m := &mockModel{window: window, prompt: prompt, finalText: finalText, pairAt: pairAt, files: files, prevPrompt: map[bool][]byte{}}
+	m := &mockModel{window: window, rate: rate, dir: dir, prompt: prompt, finalText: finalText, pairAt: pairAt, files: files, prevPrompt: map[string][]byte{}}
 	m.srv = httptest.NewServer(http.HandlerFunc(m.serve))
 	t.Cleanup(m.srv.Close)
 	return m
@@ -158,22 +169,32 @@ func pairingOf(body []byte) ([]pairing.Violation, error) {
 // declared), then one read per step, files pairAt and pairAt+1 in one
 // parallel turn.
 // A step without calls is the final answer.
+//
+// The read tool is the one named *read* with a path parameter: "path"
+// (pi: relative to the working directory) or "filePath" (opencode: an
+// absolute path).
 func (m *mockModel) script(v *mockView) ([][]scriptCall, error) {
-	var read, shell string
+	var read, pathParam, shell string
 	for _, tl := range v.Tools {
 		f := tl.Function
-		_, hasPath := f.Parameters.Properties["path"]
 		_, hasCommand := f.Parameters.Properties["command"]
 		_, hasContent := f.Parameters.Properties["content"]
+		param := ""
+		for _, p := range []string{"path", "filePath"} {
+			if _, ok := f.Parameters.Properties[p]; ok {
+				param = p
+				break
+			}
+		}
 		switch {
-		case read == "" && hasPath && !hasContent && strings.Contains(strings.ToLower(f.Name), "read"):
-			read = f.Name
+		case read == "" && param != "" && !hasContent && strings.Contains(strings.ToLower(f.Name), "read"):
+			read, pathParam = f.Name, param
 		case shell == "" && hasCommand:
 			shell = f.Name
 		}
 	}
 	if read == "" {
-		return nil, fmt.Errorf("the request declares no read tool (a tool named *read* with a path parameter)")
+		return nil, fmt.Errorf("the request declares no read tool (a tool named *read* with a path or filePath parameter)")
 	}
 	var steps [][]scriptCall
 	if shell != "" {
@@ -181,7 +202,11 @@ func (m *mockModel) script(v *mockView) ([][]scriptCall, error) {
 	}
 	for i := 0; i < len(m.files); i++ {
 		call := func(f projectFile) scriptCall {
-			args, _ := json.Marshal(map[string]string{"path": f.Name})
+			p := f.Name
+			if pathParam == "filePath" {
+				p = filepath.Join(m.dir, f.Name)
+			}
+			args, _ := json.Marshal(map[string]string{pathParam: p})
 			return scriptCall{Tool: read, Args: string(args), Expect: f.Marker}
 		}
 		if i == m.pairAt && i+1 < len(m.files) {
@@ -262,22 +287,32 @@ func (m *mockModel) serve(w http.ResponseWriter, r *http.Request) {
 	case v.MaxTokens != nil:
 		rec.MaxTokens, rec.MaxField = *v.MaxTokens, "max_tokens"
 	}
-	// A summarize call: compactproxy's own request (no turn header), or one
-	// without tools or forbidding them (DESIGN: a summarize request that
-	// extends the agent's prefix carries its tools with tool_choice none).
-	// The agent always declares tools; a turn that reaches the mock only in
-	// this shape is reported by the test as a turn never forwarded.
-	rec.Summarize = rec.Turn < 0 || len(v.Tools) == 0 || string(bytes.TrimSpace(v.ToolChoice)) == `"none"`
+	// A summarize call: compactproxy's own request (no turn header: the
+	// summarizer sends the client's credentials only), or one forbidding
+	// tools (DESIGN: a summarize request that extends the agent's prefix
+	// carries its tools with tool_choice none). An agent request without
+	// tools is the agent's own side request (Aux: opencode's title
+	// request). A script turn that reaches the mock only in either shape is
+	// reported by the test as a turn never forwarded.
+	rec.Summarize = rec.Turn < 0 || (len(v.Tools) > 0 && string(bytes.TrimSpace(v.ToolChoice)) == `"none"`)
+	rec.Aux = !rec.Summarize && len(v.Tools) == 0
 	rec.Pairing, err = pairingOf(body)
 	if err != nil {
 		rec.Problems = append(rec.Problems, "internal/chat cannot parse the body: "+err.Error())
 	}
-	rec.Prompt = int(float64(len(body))/bytesPerToken) + 1
+	rec.Prompt = int(float64(len(body))/m.rate) + 1
 
 	rendered := renderPrompt(body)
 	m.mu.Lock()
-	prev := m.prevPrompt[rec.Summarize]
-	m.prevPrompt[rec.Summarize] = rendered
+	kind := "agent"
+	switch {
+	case rec.Summarize:
+		kind = "summarize"
+	case rec.Aux:
+		kind = "aux"
+	}
+	prev := m.prevPrompt[kind]
+	m.prevPrompt[kind] = rendered
 	m.seq++
 	id := fmt.Sprintf("chatcmpl-agent-%d", m.seq)
 	m.mu.Unlock()
@@ -285,7 +320,7 @@ func (m *mockModel) serve(w http.ResponseWriter, r *http.Request) {
 	for common < len(prev) && common < len(rendered) && prev[common] == rendered[common] {
 		common++
 	}
-	rec.Cached = min(int(float64(common)/bytesPerToken), rec.Prompt)
+	rec.Cached = min(int(float64(common)/m.rate), rec.Prompt)
 	usage := map[string]any{
 		"prompt_tokens": rec.Prompt, "completion_tokens": 24, "total_tokens": rec.Prompt + 24,
 		"prompt_tokens_details": map[string]any{"cached_tokens": rec.Cached},
@@ -302,13 +337,17 @@ func (m *mockModel) serve(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 
-	if rec.Summarize {
+	if rec.Summarize || rec.Aux {
 		rec.Status = http.StatusOK
 		m.record(rec)
+		text := summaryText
+		if rec.Aux {
+			text = auxText
+		}
 		if v.Stream {
-			streamAnswer(w, id, v.Model, includeUsage, usage, []string{summaryText}, nil)
+			streamAnswer(w, id, v.Model, includeUsage, usage, []string{text}, nil)
 		} else {
-			jsonAnswer(w, id, v.Model, map[string]any{"role": "assistant", "content": summaryText}, "stop", usage)
+			jsonAnswer(w, id, v.Model, map[string]any{"role": "assistant", "content": text}, "stop", usage)
 		}
 		return
 	}
