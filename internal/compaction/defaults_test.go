@@ -217,3 +217,32 @@ func TestLastResortNeverForwardsOverTheWindow(t *testing.T) {
 		t.Fatal("the final result was not excerpted before giving up")
 	}
 }
+
+// A fixed part over the budget but under the window (an agent's system
+// prompt and tools at 12k with max_tokens reserving a quarter of it): no
+// summary has room and the request is reported impossible, yet the view is
+// brought under the window rather than forwarded to a certain refusal
+// (DESIGN: never forward what you estimate over the window while something
+// smaller and valid exists). It used to be forwarded as it was.
+func TestFixedPartOverBudgetStillFitsTheWindow(t *testing.T) {
+	cfg := defaultConfig()
+	conv := []msg{sysMsg(blob("system prompt and tools", 38000)), userMsg(ask)} // ~9,500 tokens
+	for i := 0; i < 12; i++ {
+		id := fmt.Sprintf("s%d", i)
+		conv = append(conv, callMsg("", id+`:read:{}`), toolMsg(id, blob(id, 1600)))
+	}
+	msgs := parse(t, conv)
+	const window = 12288 // budget 9,216: under the fixed part
+	out := newDriver(cfg, sizedSummarizer(4), nil).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
+		Window: window, Estimate: fakeEstimate})
+	checkView(t, msgs, out)
+	if out.Fixed < out.Budget || fakeEstimate(msgs).Tokens <= window {
+		t.Fatalf("setup: fixed %d, budget %d, client view %d, window %d", out.Fixed, out.Budget, fakeEstimate(msgs).Tokens, window)
+	}
+	if !out.Events.Impossible {
+		t.Error("a fixed part over the budget is not reported")
+	}
+	if got := fakeEstimate(out.Messages).Tokens; got > window {
+		t.Fatalf("forwarded %d tokens over the window %d while a smaller view exists (%s)", got, window, roles(out.Messages))
+	}
+}

@@ -433,9 +433,17 @@ func (r *run) compact() Output {
 	room := out.Budget - out.Fixed
 	r.room = room
 	if room <= 0 {
+		// The fixed part alone fills the budget: no summary has room, and
+		// that is said (Events.Impossible). The window may still hold the
+		// request (the budget keeps room for the answer): a view over it is
+		// brought under it, as the last resort does, rather than forwarded
+		// to a certain refusal.
 		out.Trigger, out.Target = out.Budget, out.Budget
 		if cur >= out.Budget {
 			r.ev.Impossible = true
+		}
+		if w := r.in.Window; cur > w && out.Fixed < w {
+			cur = r.overBudget(&p, cur, w, w)
 		}
 		return r.finish(out, p, cur)
 	}
@@ -500,10 +508,19 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 			cur, _ = r.applyTrims(p, cands, r.keep, target)
 		}
 	}
+	return r.overBudget(p, cur, budget, target)
+}
+
+// overBudget is what runs when nothing before it brought the view under
+// the budget: excerpts of the tool results after the summary (never the
+// final message), the drop, then the last resort — never forward a view
+// estimated over the window while a smaller valid one exists: shrink what
+// the proxy owns (the re-applied summary) down to the budget; then, over
+// the window (a certain refusal), excerpt the final turn's tool results,
+// the final message last. What is still over the window is forwarded, and
+// said (Events.Impossible). It returns the view's estimate.
+func (r *run) overBudget(p *plan, cur, budget, target int) int {
 	if cur > budget {
-		// Over the budget even so: excerpt any tool result after the
-		// summary but the final message to a short excerpt, before
-		// dropping turns.
 		start := p.headStart(r.lead)
 		if cands := r.trimCandidates(*p, start, r.n-1, 0); len(cands) > 0 {
 			cur, _ = r.applyTrims(p, cands, tightKeep, budget+1)
@@ -512,12 +529,6 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 	if cur > budget {
 		cur = r.dropTurns(p, cur, budget, target)
 	}
-
-	// The last resort: never forward a view estimated over the window
-	// while a smaller valid one exists. Shrink what the proxy owns (the
-	// re-applied summary) down to the budget; then, over the window (a
-	// certain refusal), excerpt the final turn's tool results, the final
-	// message last. What is still over the window is forwarded, and said.
 	if cur > budget && p.sum != nil {
 		cur = r.shrinkSummary(p, cur, budget)
 	}
@@ -525,7 +536,7 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 		if cands := r.trimCandidates(*p, p.headStart(r.lead), r.n, 0); len(cands) > 0 {
 			cur, _ = r.applyTrims(p, cands, tightKeep, window+1)
 		}
-		r.ev.Impossible = cur > window
+		r.ev.Impossible = r.ev.Impossible || cur > window
 	}
 	return cur
 }

@@ -60,9 +60,11 @@ func (s *Server) report(cr *chatRequest, cv *conversation, pass compaction.Pass)
 		// conversation.
 		s.metrics.CompactionImpossible.Inc()
 		if s.impossible.once(cv.key) {
-			msg := "fixed part over the budget; forwarding without compaction"
-			if out.Fixed < out.Budget {
-				msg = "request over the window after every compaction step; forwarding the smallest view"
+			msg := "request over the window after every compaction step; forwarding the smallest view"
+			if out.Fixed >= out.Budget {
+				// No summary has room; stored compaction is re-applied and a
+				// view over the window is still brought under it.
+				msg = "fixed part over the budget; no room for a summary"
 			}
 			s.log.Warn(msg, zap.String("request_id", cr.reqID), zap.String("conversation", cv.id),
 				zap.Int("fixed_tokens", out.Fixed), zap.Int("forwarded_tokens", out.Forwarded),
