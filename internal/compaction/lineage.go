@@ -97,6 +97,36 @@ func SelectLineage(ls []Lineage, chain []anchor.Digest) int {
 	return best
 }
 
+// MergeBackground returns ls with a background run's outcome merged into
+// the lineage of l.ID as it is stored now: its Pending summary and its
+// summarize bookkeeping (latch, throttle), whatever the requests that ran
+// meanwhile saved (their trims, drops and summary stay). A background
+// summary takes seconds; replacing the lineage only when nothing was saved
+// since would discard it whenever the conversation went on meanwhile, and
+// the request that crosses the trigger would pay for a summary of its own.
+// A lineage not stored yet is added as l.
+func MergeBackground(ls []Lineage, l Lineage) []Lineage {
+	i := slices.IndexFunc(ls, func(x Lineage) bool { return x.ID == l.ID })
+	if i < 0 {
+		out, _ := SaveLineage(ls, l, 0, true)
+		return out
+	}
+	cur := ls[i]
+	st := cur.State.clone()
+	if p := l.State.Pending; p != nil {
+		v := *p
+		st.Pending = &v
+	}
+	st.Latched, st.LatchCount = l.State.Latched, l.State.LatchCount
+	if l.State.LastAttempt.After(st.LastAttempt) {
+		st.LastAttempt, st.LastAttemptCount = l.State.LastAttempt, l.State.LastAttemptCount
+	}
+	cur.State = st
+	cur.Used = max(cur.Used, l.Used)
+	out, _ := SaveLineage(ls, cur, cur.Gen, true)
+	return out
+}
+
 // SaveLineage returns ls with l stored in it (ls itself is not modified).
 // l replaces the lineage of the same ID only while that one is still at
 // generation base, the one l was computed from, unless force is set (a

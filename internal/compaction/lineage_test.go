@@ -1,6 +1,8 @@
 package compaction
 
 import (
+	"time"
+
 	"testing"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
@@ -96,5 +98,45 @@ func TestSaveLineage(t *testing.T) {
 	sum.Text = "changed"
 	if ls[2].State.Summary.Text != "s" {
 		t.Fatal("the stored lineage shares the caller's summary")
+	}
+}
+
+// A background summary takes seconds; a request of the same lineage that
+// saved meanwhile (new trims) used to make the background save stale, and
+// the summary was discarded: the request that crossed the trigger then paid
+// for a summary of its own, on the step after the background one (the real
+// 8k large-step llama run: summarize calls on steps 32 and 34, the
+// background one lost). MergeBackground keeps both.
+func TestMergeBackgroundKeepsWhatRequestsSaved(t *testing.T) {
+	d := func(b byte) anchor.Digest { return anchor.Digest{b} }
+	base := Lineage{ID: 7, TipLen: 10, Tip: d(1), Gen: 3, State: State{Summary: &Summary{Cut: 4, Head: d(2), Text: "old"}}}
+	// A request saved new trims since the background run loaded gen 3.
+	saved, ok := SaveLineage([]Lineage{base}, Lineage{ID: 7, TipLen: 12, Tip: d(3), State: State{
+		Summary: base.State.Summary, Trims: []Trim{{Index: 6, Prefix: d(4), Keep: 512}}}}, 3, false)
+	if !ok {
+		t.Fatal("setup: the request's save was refused")
+	}
+	attempt := time.Date(2026, 12, 1, 0, 0, 0, 0, time.UTC)
+	bg := Lineage{ID: 7, TipLen: 10, Tip: d(1), State: State{Summary: base.State.Summary,
+		Pending: &Summary{Cut: 8, Head: d(5), Text: "new"}, LastAttempt: attempt, LastAttemptCount: 10}}
+	if _, ok := SaveLineage(saved, bg, 3, false); ok {
+		t.Fatal("setup: a save from the older generation should be stale")
+	}
+	got := MergeBackground(saved, bg)
+	if len(got) != 1 {
+		t.Fatalf("%d lineages", len(got))
+	}
+	st := got[0].State
+	if st.Pending == nil || st.Pending.Text != "new" {
+		t.Fatal("the background summary was lost")
+	}
+	if len(st.Trims) != 1 || got[0].TipLen != 12 {
+		t.Fatalf("what the request saved was lost: trims %v, tip %d", st.Trims, got[0].TipLen)
+	}
+	if !st.LastAttempt.Equal(attempt) || st.LastAttemptCount != 10 {
+		t.Fatal("the background attempt is not recorded (the throttle)")
+	}
+	if got[0].Gen <= saved[0].Gen {
+		t.Fatal("the merge did not advance the generation")
 	}
 }

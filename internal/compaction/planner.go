@@ -355,8 +355,9 @@ type run struct {
 	// shrunk: the last resort excerpted the re-applied summary.
 	shrunk bool
 	// guarded: the progress guard withheld a summary (the view is within
-	// the budget: the verbatim tail stays verbatim).
-	guarded bool
+	// the budget: the verbatim tail stays verbatim). progressed: it let
+	// this request's compaction through before the trims.
+	guarded, progressed bool
 	// due: a summary is due and the view does not carry it
 	// (ActionSummarizePending): need asks for it, or shadow mode
 	// only reports it.
@@ -475,6 +476,10 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 		r.guarded = true
 		return cur
 	}
+	// The guard let this compaction through on the history as it stands:
+	// trims below do not take it back (a trimmed head that then looked too
+	// small to fold would leave a changed prefix and no summary).
+	r.progressed = true
 
 	// 1. Trim tool results outside the leading system messages and the
 	// protected tail, oldest first.

@@ -215,7 +215,7 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 		*p = q
 		return e, true
 	}
-	if fresh < r.progress() && cur <= budget {
+	if fresh < r.progress() && cur <= budget && !r.progressed {
 		r.guarded = true
 		return cur, false
 	}

@@ -286,6 +286,11 @@ func (s *Server) commitRun(ctx context.Context, reqID string, run *planRun, conv
 		l.ID, base = conv.Lineages[li].ID, conv.Lineages[li].Gen
 	}
 	err := s.store.UpdateLineages(ctx, run.cv.key, func(ls []compaction.Lineage) ([]compaction.Lineage, bool) {
+		if run.o.pass == compaction.PassBackground {
+			// A background summary merges into what requests saved
+			// meanwhile (it took seconds; the conversation went on).
+			return compaction.MergeBackground(ls, l), true
+		}
 		return compaction.SaveLineage(ls, l, base, force)
 	})
 	s.storeResult(reqID, "save", err)
