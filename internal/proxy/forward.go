@@ -169,6 +169,8 @@ func (s *Server) abortStream(w http.ResponseWriter, ri *reqInfo, f upstreamFailu
 // usage counts reported usage and hands it to the anchor hook.
 func (s *Server) usage(cr *chatRequest, u anchor.Usage) {
 	if u.HasInput {
+		// A prompt the upstream accepted: no learned window goes below it.
+		s.windows.accept(cr.req.Model, u.Input, s.cfg.Upstream.DiscoveryInterval)
 		s.metrics.UsageInputTokens.WithLabelValues("uncached").Add(float64(u.Uncached))
 		s.metrics.UsageInputTokens.WithLabelValues("cache_read").Add(float64(u.CacheRead))
 		s.metrics.UsageInputTokens.WithLabelValues("cache_write").Add(float64(u.CacheWrite))
