@@ -191,7 +191,7 @@ func (b *Bolt) UpdateLineages(_ context.Context, key string, fn func([]compactio
 		cur, _ := decodeLineages(bv.records)
 		v, ok := fn(cur)
 		if ok {
-			bv.records = encodeLineages(v)
+			bv.records = encodeLineages(boundTrims(v))
 		}
 		return ok
 	})

@@ -264,7 +264,7 @@ func (r *Redis) UpdateLineages(ctx context.Context, key string, fn func([]compac
 		if !ok {
 			return nil, false
 		}
-		return encodeLineages(v), true
+		return encodeLineages(boundTrims(v)), true
 	})
 }
 
