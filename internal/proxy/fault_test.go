@@ -196,7 +196,9 @@ func faultCells() []faultCell {
 		// (A conversation that compaction can shrink: taken as an overflow,
 		// the quoted 2500 would make the proxy compact again and resend.)
 		{name: "upstream validation error quoting a context size", body: bigConversation(),
-			summarizer: func(w http.ResponseWriter, r *http.Request) { jsonAnswer(w, 500, `{"error":{"message":"down","type":"server_error"}}`) },
+			summarizer: func(w http.ResponseWriter, r *http.Request) {
+				jsonAnswer(w, 500, `{"error":{"message":"down","type":"server_error"}}`)
+			},
 			upstream: func(w http.ResponseWriter, r *http.Request, n int) {
 				jsonAnswer(w, 400, `{"error":{"message":"Invalid value for 'user': 'This model's maximum context length is 2500 tokens. However, your messages resulted in 9000 tokens.'","type":"invalid_request_error","param":"user","code":"invalid_value"}}`)
 			},
