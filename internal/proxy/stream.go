@@ -181,12 +181,20 @@ func usageOnly(data []byte) bool {
 }
 
 // finishReasonKey marks a chunk that may end the answer.
-var finishReasonKey = []byte(`"finish_reason"`)
+var (
+	finishReasonKey  = []byte(`"finish_reason"`)
+	finishReasonNull = []byte(`"finish_reason":null`)
+)
 
 // finished reports whether a chunk carries a finish reason (a choice with a
 // non-null finish_reason): the answer is complete even if no [DONE] follows
 // (llama.cpp and some gateways end there).
 func finished(data []byte) bool {
+	// Most chunks carry "finish_reason":null: no decode for those (one
+	// per streamed token).
+	if bytes.Count(data, finishReasonKey) == bytes.Count(data, finishReasonNull) {
+		return false
+	}
 	var c struct {
 		Choices []struct {
 			FinishReason json.RawMessage `json:"finish_reason"`
