@@ -10,6 +10,7 @@ import (
 	"net/http/httptest"
 	"runtime"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -328,8 +329,11 @@ func TestRunWithNothingSetServes(t *testing.T) {
 			t.Setenv("COMPACTPROXY_LISTEN", "127.0.0.1:0")
 			ctx, cancel := context.WithCancel(t.Context())
 			cancel() // start, log, shut down at once
-			var stdout, stderr bytes.Buffer
-			if code := run(ctx, args, &stdout, &stderr); code != exitOK {
+			var stdout bytes.Buffer
+			// Locked: the proxy's background discovery may still log
+			// after serve returned.
+			stderr := &lockedBuffer{}
+			if code := run(ctx, args, &stdout, stderr); code != exitOK {
 				t.Fatalf("exit %d: %s", code, stderr.String())
 			}
 			if !strings.Contains(stderr.String(), `"upstream":"http://127.0.0.1:8080/v1"`) {
@@ -337,4 +341,22 @@ func TestRunWithNothingSetServes(t *testing.T) {
 			}
 		})
 	}
+}
+
+// lockedBuffer is a bytes.Buffer safe for concurrent writers and readers.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
 }
