@@ -12,7 +12,7 @@ all: lint test build
 
 help:
 	@echo "make build     static binary in $(BIN) (CGO off, -trimpath, version $(VERSION))"
-	@echo "make run       go run ./cmd/compactproxy on the defaults (upstream http://127.0.0.1:8080/v1; override with COMPACTPROXY_UPSTREAM_URL)"
+	@echo "make run       go run ./cmd/compactproxy (upstream: llama-server at http://127.0.0.1:8080/v1 unless COMPACTPROXY_UPSTREAM_URL is set)"
 	@echo "make test      e2e dependencies + go test -race -count=1 ./... (what CI runs)"
 	@echo "make agent-matrix  the real-agent test's whole matrix, opencode's large reads included (not part of make test)"
 	@echo "make bench     go test benchmarks + load harness (not part of make test)"
@@ -25,8 +25,9 @@ help:
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) ./cmd/compactproxy
 
-# Serves on the defaults: upstream http://127.0.0.1:8080/v1 (llama-server's
-# own default address); override with COMPACTPROXY_UPSTREAM_URL, e.g.
+# Needs nothing: upstream.url defaults to llama-server's own address,
+# http://127.0.0.1:8080/v1 (the start-up log line says which upstream is used,
+# /readyz whether it answers). Another upstream:
 #   COMPACTPROXY_UPSTREAM_URL=https://api.openai.com/v1 make run
 # Reads ./configs/compactproxy.yaml (all defaults) when run from the checkout.
 run:

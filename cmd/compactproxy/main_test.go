@@ -10,6 +10,7 @@ import (
 	"net/http/httptest"
 	"runtime"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -75,7 +76,7 @@ func TestConfigCommandRedactsSecrets(t *testing.T) {
 func TestConfigCommandReportsProblems(t *testing.T) {
 	clearEnv(t)
 	t.Setenv("COMPACTPROXY_PAIRING_MODE", "lenient")
-	code, out, errOut := runCmd(t, "config")
+	code, out, errOut := runCmd(t, "config", "--upstream-url=")
 	if code != exitUsage {
 		t.Errorf("exit %d, want %d", code, exitUsage)
 	}
@@ -100,7 +101,7 @@ func TestRunUsageErrors(t *testing.T) {
 		{"unknown command", []string{"frobnicate"}, "unknown command"},
 		{"extra arguments", []string{"version", "extra"}, "unexpected arguments"},
 		{"healthcheck flag on serve", []string{"--url", "http://x/healthz"}, "healthcheck only"},
-		{"serve without upstream", nil, "upstream.url: required"},
+		{"serve with an empty upstream", []string{"--upstream-url="}, "upstream.url: required"},
 		{"serve with bad url flag", []string{"--upstream-url", "localhost:8080"}, "upstream.url: must be an absolute"},
 	}
 	for _, tc := range tests {
@@ -314,4 +315,48 @@ func TestNewLogger(t *testing.T) {
 	if _, err := newLogger(config.Log{Level: "loud", Format: "json"}, zapcore.AddSync(io.Discard)); err == nil {
 		t.Error("bad level: want error")
 	}
+}
+
+// `make run` on a fresh clone, with no variable set: the configuration
+// (built-in defaults, or the shipped file that `make run` reads from the
+// checkout) is valid, upstream.url is llama-server's default address, and
+// serve starts and says at start-up which upstream it uses (issue 20).
+func TestRunWithNothingSetServes(t *testing.T) {
+	for _, args := range [][]string{nil, {"--config", shippedFile}} {
+		t.Run(fmt.Sprint(args), func(t *testing.T) {
+			clearEnv(t)
+			// Only so the test does not collide with a real :8081.
+			t.Setenv("COMPACTPROXY_LISTEN", "127.0.0.1:0")
+			ctx, cancel := context.WithCancel(t.Context())
+			cancel() // start, log, shut down at once
+			var stdout bytes.Buffer
+			// Locked: the proxy's background discovery may still log
+			// after serve returned.
+			stderr := &lockedBuffer{}
+			if code := run(ctx, args, &stdout, stderr); code != exitOK {
+				t.Fatalf("exit %d: %s", code, stderr.String())
+			}
+			if !strings.Contains(stderr.String(), `"upstream":"http://127.0.0.1:8080/v1"`) {
+				t.Errorf("the start-up log does not name the default upstream:\n%s", stderr.String())
+			}
+		})
+	}
+}
+
+// lockedBuffer is a bytes.Buffer safe for concurrent writers and readers.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
 }

@@ -100,6 +100,7 @@ func serve(ctx context.Context, cfg config.Config, file string, log *zap.Logger)
 		zap.String("version", version),
 		zap.String("listen", ln.Addr().String()),
 		zap.String("upstream", redactURL(cfg.Upstream.URL)),
+		zap.Bool("upstream_default", cfg.Upstream.URL == config.DefaultUpstreamURL),
 		zap.String("config_file", file),
 		zap.Bool("upstream_api_key_set", cfg.Upstream.APIKey != ""),
 		zap.Int("client_keys", len(cfg.Auth.ClientKeys)),
@@ -155,15 +156,14 @@ func serveHTTP(ctx context.Context, hs *http.Server, ln net.Listener, timeout ti
 	return nil
 }
 
-// redactURL drops userinfo (it may hold credentials) for logging.
+// redactURL is how a URL appears in logs: scheme, host and path only
+// (userinfo may hold credentials, a query string a key).
 func redactURL(raw string) string {
 	u, err := url.Parse(raw)
 	if err != nil {
 		return "[unparseable]"
 	}
-	u.User = nil
-	u.RawQuery = ""
-	return u.String()
+	return (&url.URL{Scheme: u.Scheme, Host: u.Host, Path: u.Path}).String()
 }
 
 func compactionMode(c config.Compaction) string {

@@ -43,7 +43,7 @@ type Config struct {
 
 // Upstream describes the one upstream every request goes to.
 type Upstream struct {
-	URL               string        `mapstructure:"url" yaml:"url"`                               // required; base URL incl. version path
+	URL               string        `mapstructure:"url" yaml:"url"`                               // base URL incl. version path; default DefaultUpstreamURL
 	Name              string        `mapstructure:"name" yaml:"name"`                             // default: host of URL
 	APIKey            Secret        `mapstructure:"api_key" yaml:"api_key"`                       // "" = pass the client's credentials
 	Dialect           string        `mapstructure:"dialect" yaml:"dialect"`                       // auto|openai|llamacpp|vllm|deepseek|anthropic
@@ -158,12 +158,19 @@ type Log struct {
 	Format string `mapstructure:"format" yaml:"format"` // json|console
 }
 
+// DefaultUpstreamURL is upstream.url's default: llama-server's own default
+// address, so the sidecar case (and `make run` on a fresh clone) needs no
+// configuration. The start-up log says which upstream is used and /readyz
+// whether it answers.
+const DefaultUpstreamURL = "http://127.0.0.1:8080/v1"
+
 // Default returns the configuration with every default of DESIGN.md's table.
 func Default() Config {
 	return Config{
 		Listen:          ":8081",
 		ShutdownTimeout: 30 * time.Second,
 		Upstream: Upstream{
+			URL:               DefaultUpstreamURL,
 			Dialect:           "auto",
 			StreamUsage:       "auto",
 			DiscoveryInterval: 5 * time.Minute,

@@ -138,7 +138,8 @@ func TestValidateRules(t *testing.T) {
 
 // TestValidateReportsAll: every problem at once, in one error.
 func TestValidateReportsAll(t *testing.T) {
-	c := Default() // no upstream.url
+	c := Default()
+	c.Upstream.URL = ""
 	c.Upstream.Dialect = "ollama"
 	c.Compaction.TargetRatio = 0.9
 	c.Store.Backend = "sqlite"

@@ -157,6 +157,8 @@ func (s *Server) record(ctx context.Context, r *http.Request, cr *chatRequest, c
 	if !u.HasInput {
 		return
 	}
+	// A prompt the upstream accepted: no learned window goes below it.
+	s.windows.accept(cr.req.Model, u.Input, s.cfg.Upstream.DiscoveryInterval)
 	s.metrics.UsageInputTokens.WithLabelValues("uncached").Add(float64(u.Uncached))
 	s.metrics.UsageInputTokens.WithLabelValues("cache_read").Add(float64(u.CacheRead))
 	s.metrics.UsageInputTokens.WithLabelValues("cache_write").Add(float64(u.CacheWrite))

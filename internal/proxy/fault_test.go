@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/compactproxy/compactproxy/internal/config"
+	"github.com/compactproxy/compactproxy/internal/store/storetest"
 	"go.uber.org/goleak"
 )
 
@@ -63,6 +64,7 @@ type faultCell struct {
 	logStatus   int      // access log status
 	logMessages []string // log messages that must appear
 	metrics     []metricWant
+	header      map[string]string // response headers the client must get ("" = absent)
 }
 
 func jsonAnswer(w http.ResponseWriter, status int, body string) {
@@ -189,6 +191,41 @@ func faultCells() []faultCell {
 				jsonAnswer(w, 400, `{"error":{"code":400,"message":"the request exceeds the available context size","type":"exceed_context_size_error","n_prompt_tokens":5000,"n_ctx":4096}}`)
 			},
 			status: 400, bodyHas: []string{"exceed_context_size_error"}, calls: 1, logStatus: 400},
+		// Issue 20: a validation error that quotes a context size is the
+		// client's own 400, not an overflow: no recovery, nothing learned.
+		// (A conversation that compaction can shrink: taken as an overflow,
+		// the quoted 2500 would make the proxy compact again and resend.)
+		{name: "upstream validation error quoting a context size", body: bigConversation(),
+			summarizer: func(w http.ResponseWriter, r *http.Request) {
+				jsonAnswer(w, 500, `{"error":{"message":"down","type":"server_error"}}`)
+			},
+			upstream: func(w http.ResponseWriter, r *http.Request, n int) {
+				jsonAnswer(w, 400, `{"error":{"message":"Invalid value for 'user': 'This model's maximum context length is 2500 tokens. However, your messages resulted in 9000 tokens.'","type":"invalid_request_error","param":"user","code":"invalid_value"}}`)
+			},
+			status: 400, bodyHas: []string{"invalid_value"}, calls: 1, logStatus: 400,
+			metrics: []metricWant{{"compactproxy_upstream_retries_total", map[string]string{"op": "chat", "reason": "context_overflow"}, 0}}},
+		// Issue 20: the upstream closes a stream with no Content-Length
+		// mid-answer (no finish reason, no [DONE]): a clean EOF to the
+		// reader, yet the client must see the error event and an abort.
+		{name: "upstream SSE ends on EOF mid-answer", body: faultStream,
+			upstream: func(w http.ResponseWriter, r *http.Request, n int) {
+				c, _, _ := w.(http.Hijacker).Hijack()
+				io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"+
+					`data: {"choices":[{"index":0,"delta":{"content":"one"}}]}`+"\n\n")
+				c.Close()
+			},
+			status: 200, aborted: true, bodyHas: []string{"one", `"code":"upstream_connection_closed"`}, calls: 1, logStatus: 200,
+			logMessages: []string{"upstream stream broken off"},
+			metrics:     []metricWant{{"compactproxy_stream_aborts_total", nil, 1}}},
+		// Issue 20: the upstream's own request id comes back beside the
+		// proxy's, never instead of it.
+		{name: "upstream X-Request-Id",
+			upstream: func(w http.ResponseWriter, r *http.Request, n int) {
+				w.Header().Set("X-Request-Id", "req_upstream_77")
+				okAnswer(w)
+			},
+			status: 200, calls: 1, logStatus: 200,
+			header: map[string]string{"X-Upstream-Request-Id": "req_upstream_77"}},
 		sumCell("errors", func(w http.ResponseWriter, r *http.Request) {
 			jsonAnswer(w, 500, `{"error":{"message":"summarizer down","type":"server_error"}}`)
 		}, false),
@@ -290,6 +327,7 @@ func runFaultCell(t *testing.T, tc faultCell) {
 	resp, err := client.Do(req)
 	var got []byte
 	var readErr error
+	var clientID string // X-Request-Id the client got (cells with header checks)
 	if err == nil {
 		if tc.client == clientLeavesDuring {
 			buf := make([]byte, 4096)
@@ -334,6 +372,14 @@ func runFaultCell(t *testing.T, tc faultCell) {
 		if strings.Contains(string(got), "sk-upstream-4417") {
 			t.Error("the upstream key reached the client")
 		}
+		for k, v := range tc.header {
+			if got := resp.Header.Get(k); got != v {
+				t.Errorf("response header %s = %q, want %q", k, got, v)
+			}
+		}
+		if len(tc.header) > 0 {
+			clientID = resp.Header.Get("X-Request-Id")
+		}
 	}
 
 	// The access log line is written when the handler returns, which may be
@@ -355,6 +401,11 @@ func runFaultCell(t *testing.T, tc faultCell) {
 
 	// Metrics and logs say what happened, without content or keys.
 	entries := p.logs.FilterMessage("request").All()
+	if len(tc.header) > 0 {
+		if logged := fmt.Sprint(entries[0].ContextMap()["request_id"]); clientID != logged {
+			t.Errorf("client's X-Request-Id %q, want the one in the access log (%q)", clientID, logged)
+		}
+	}
 	if st := entries[0].ContextMap()["status"]; fmt.Sprint(st) != fmt.Sprint(tc.logStatus) {
 		t.Errorf("access log status %v, want %d", st, tc.logStatus)
 	}
@@ -373,5 +424,43 @@ func runFaultCell(t *testing.T, tc faultCell) {
 		if strings.Contains(logs, leak) {
 			t.Errorf("logs carry %q:\n%s", leak, logs)
 		}
+	}
+}
+
+// Issue 20: on Redis with a 3 s TTL, a conversation that keeps talking for
+// 10 s keeps its summary: every response's anchor write refreshes the TTL
+// of all the conversation's keys, so each request re-applies the summary
+// made by the first, and the summarizer is called once. (Before, the
+// records key expired 3 s after the summary was made and the conversation
+// was summarized again.) Requests come every 500 ms, far inside the TTL.
+func TestFaultRedisShortTTLActiveConversation(t *testing.T) {
+	rd := storetest.StartRedis(t)
+	up := newFakeUpstream(t, nil)
+	sum := newSummarizerServer(t)
+	cfg := compactionConfig(up.URL, sum.URL)
+	cfg.Store.Backend = "redis"
+	cfg.Store.Redis.URL = config.Secret(rd.URL())
+	cfg.Store.TTL = 3 * time.Second
+	cfg.Store.Timeout = time.Second
+	cfg.Compaction.Trim.ToolResultTokens = 1 << 20 // no trimming: summarize is needed
+	cfg.Compaction.PresummarizeRatio = 0
+	p := newTestProxy(t, cfg)
+	resp := p.chatOK(t, bigConversation())
+	if got := resp.Header.Get("X-Compactproxy-Compaction"); got != "summarized" {
+		t.Fatalf("first request: compaction %q, want summarized", got)
+	}
+	body := bigConversation()
+	start := time.Now()
+	for i := 0; time.Since(start) < 10*time.Second; i++ {
+		time.Sleep(500 * time.Millisecond)
+		turn := fmt.Sprintf(`,{"role":"assistant","content":"step %d done"},{"role":"user","content":"go on %d"}]}`, i, i)
+		body = strings.TrimSuffix(body, "]}") + turn
+		resp := p.chatOK(t, body)
+		if got := resp.Header.Get("X-Compactproxy-Compaction"); got != "reused" {
+			t.Fatalf("after %v of activity (TTL 3s): compaction %q, want the stored summary reused", time.Since(start).Round(time.Second), got)
+		}
+	}
+	if n := sum.calls.Load(); n != 1 {
+		t.Errorf("summarizer called %d times, want once", n)
 	}
 }

@@ -85,9 +85,26 @@ func (s *Server) send(ctx context.Context, cr *chatRequest) (*http.Response, err
 
 func (s *Server) writeHeaders(w http.ResponseWriter, cr *chatRequest, up http.Header) {
 	h := w.Header()
+	own := h.Get("X-Request-Id")
 	copyResponseHeaders(h, up)
+	keepRequestID(h, own)
 	for k, vv := range cr.respHeaders {
 		h[k] = vv
+	}
+}
+
+// keepRequestID restores the proxy's X-Request-Id (the one in its logs)
+// over the upstream's, which the client gets as X-Upstream-Request-Id.
+func keepRequestID(h http.Header, own string) {
+	up := h.Values("X-Request-Id")
+	h.Del("X-Request-Id")
+	for _, v := range up {
+		if v != own {
+			h.Add("X-Upstream-Request-Id", v)
+		}
+	}
+	if own != "" {
+		h.Set("X-Request-Id", own)
 	}
 }
 

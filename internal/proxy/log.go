@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"net/http"
+	"sync/atomic"
 	"time"
 
 	"github.com/compactproxy/compactproxy/internal/metrics"
@@ -57,6 +58,10 @@ type reqInfo struct {
 	// aborted: the response was broken off (http.ErrAbortHandler) after the
 	// upstream broke off its stream; the status written is not the end.
 	aborted bool
+	// bodyTimedOut: a pass-through request body did not arrive within
+	// limits.body_read_timeout (set by the body's reader, which the
+	// transport runs on its own goroutine).
+	bodyTimedOut atomic.Bool
 }
 
 // chatInfo is the chat-specific part of the access log. Never content.

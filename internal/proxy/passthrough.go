@@ -1,11 +1,16 @@
 package proxy
 
 import (
+	"errors"
 	"io"
 	"log"
 	"net/http"
 	"net/http/httputil"
+	"os"
 	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
 
 	"go.uber.org/zap"
 )
@@ -26,13 +31,29 @@ func (s *Server) passthrough() *httputil.ReverseProxy {
 			u.RawQuery = pr.In.URL.RawQuery
 			pr.Out.URL = u
 			pr.Out.Host = ""
+			// As on chat: the proxy's own headers and the first configured
+			// conversation header stop here; agents' own ones pass.
 			pr.Out.Header.Del("X-Compactproxy-Conversation")
 			pr.Out.Header.Del("X-Compactproxy-Bypass")
+			if hs := s.cfg.Compaction.ConversationHeaders; len(hs) > 0 {
+				pr.Out.Header.Del(hs[0])
+			}
 			if key := s.cfg.Upstream.APIKey.Reveal(); key != "" {
 				pr.Out.Header.Del("X-Api-Key")
 				pr.Out.Header.Del("Api-Key")
 				pr.Out.Header.Set("Authorization", "Bearer "+key)
 			}
+		},
+		ModifyResponse: func(resp *http.Response) error {
+			// The proxy's X-Request-Id stays (observe set it on the
+			// response); ReverseProxy would replace it with the upstream's.
+			if up := resp.Header.Values("X-Request-Id"); len(up) > 0 {
+				resp.Header.Del("X-Request-Id")
+				for _, v := range up {
+					resp.Header.Add("X-Upstream-Request-Id", v)
+				}
+			}
+			return nil
 		},
 		Transport:     s.transport,
 		FlushInterval: -1,
@@ -40,6 +61,11 @@ func (s *Server) passthrough() *httputil.ReverseProxy {
 		// (internal addresses); the access log says aborted instead.
 		ErrorLog: log.New(io.Discard, "", 0),
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
+			if infoFrom(r.Context()).bodyTimedOut.Load() {
+				// The client's body, not the upstream, was too slow.
+				s.answerBodyError(w, r, os.ErrDeadlineExceeded)
+				return
+			}
 			if r.Context().Err() != nil {
 				infoFrom(r.Context()).status = 499
 				return
@@ -52,13 +78,51 @@ func (s *Server) passthrough() *httputil.ReverseProxy {
 	}
 }
 
-// authorized wraps pass-through with the same client auth as chat.
+// authorized wraps pass-through with the same client auth as chat, and
+// bounds the upload of its body by limits.body_read_timeout, as on chat: a
+// body is streamed to the upstream (a file upload may be large), so the
+// connection's read deadline is set for it and cleared once it has arrived.
 func (s *Server) authorized(h http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if !s.auth.allow(r.Header) {
 			writeUnauthorized(w)
 			return
 		}
+		if t := s.cfg.Limits.BodyReadTimeout; t > 0 && r.Body != nil && r.Body != http.NoBody {
+			rc := http.NewResponseController(w)
+			if rc.SetReadDeadline(time.Now().Add(t)) == nil {
+				r.Body = &deadlineBody{ReadCloser: r.Body, rc: rc, timedOut: &infoFrom(r.Context()).bodyTimedOut}
+			}
+		}
 		h.ServeHTTP(w, r)
 	})
+}
+
+// deadlineBody is a pass-through request body read under the connection's
+// read deadline: the deadline is cleared at its end (a long streamed answer
+// is not cut), and a read that hit it is remembered in the request's
+// reqInfo (ReverseProxy hands its error handler its own wrapper of the
+// body), so the error handler answers 408 rather than blaming the upstream. A body never read to its
+// end keeps the deadline: what net/http then drains of it is bounded too.
+type deadlineBody struct {
+	io.ReadCloser
+	rc       *http.ResponseController
+	once     sync.Once
+	timedOut *atomic.Bool // the request's reqInfo.bodyTimedOut
+}
+
+func (b *deadlineBody) Read(p []byte) (int, error) {
+	n, err := b.ReadCloser.Read(p)
+	switch {
+	case err == nil:
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		b.timedOut.Store(true)
+	default: // the end (io.EOF), or the client gone: nothing more to bound
+		b.clear()
+	}
+	return n, err
+}
+
+func (b *deadlineBody) clear() {
+	b.once.Do(func() { _ = b.rc.SetReadDeadline(time.Time{}) })
 }

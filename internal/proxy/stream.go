@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"mime"
 	"net/http"
@@ -161,7 +162,9 @@ func rebuildEvent(ev, data []byte) []byte {
 }
 
 // usageOnly reports whether a chunk is the usage-only chunk that
-// include_usage adds (choices is an empty array).
+// include_usage adds: usage with no choices (an empty array, as OpenAI
+// sends it; null or no choices key at all, as some gateways do). Cut of
+// its usage, such a chunk would reach the client as an empty chunk.
 func usageOnly(data []byte) bool {
 	var c struct {
 		Choices json.RawMessage `json:"choices"`
@@ -170,9 +173,50 @@ func usageOnly(data []byte) bool {
 	if json.Unmarshal(data, &c) != nil {
 		return false
 	}
-	return len(c.Usage) > 0 && !bytes.Equal(c.Usage, []byte("null")) &&
-		bytes.Equal(bytes.TrimSpace(bytes.ReplaceAll(c.Choices, []byte(" "), nil)), []byte("[]"))
+	if len(c.Usage) == 0 || bytes.Equal(c.Usage, []byte("null")) {
+		return false
+	}
+	choices := bytes.ReplaceAll(bytes.TrimSpace(c.Choices), []byte(" "), nil)
+	return len(choices) == 0 || bytes.Equal(choices, []byte("null")) || bytes.Equal(choices, []byte("[]"))
 }
+
+// finishReasonKey marks a chunk that may end the answer.
+var (
+	finishReasonKey  = []byte(`"finish_reason"`)
+	finishReasonNull = []byte(`"finish_reason":null`)
+)
+
+// finished reports whether a chunk carries a finish reason (a choice with a
+// non-null finish_reason): the answer is complete even if no [DONE] follows
+// (llama.cpp and some gateways end there).
+func finished(data []byte) bool {
+	// Most chunks carry "finish_reason":null: no decode for those (one
+	// per streamed token).
+	if bytes.Count(data, finishReasonKey) == bytes.Count(data, finishReasonNull) {
+		return false
+	}
+	var c struct {
+		Choices []struct {
+			FinishReason json.RawMessage `json:"finish_reason"`
+		} `json:"choices"`
+	}
+	if json.Unmarshal(data, &c) != nil {
+		return false
+	}
+	for _, ch := range c.Choices {
+		if len(ch.FinishReason) > 0 && !bytes.Equal(ch.FinishReason, []byte("null")) {
+			return true
+		}
+	}
+	return false
+}
+
+// errEndedEarly is the upstream's stream ending on a clean EOF before its
+// answer did: no [DONE] and no finish reason (a closed connection without a
+// Content-Length or chunked terminator looks like a normal end to a
+// reader). DESIGN: the client gets the error event and an aborted response.
+// It wraps io.ErrUnexpectedEOF: classified as a closed connection.
+var errEndedEarly = fmt.Errorf("proxy: upstream stream ended early: %w", io.ErrUnexpectedEOF)
 
 // relayEvents copies an SSE stream to w, one flush per event, never
 // coalescing events. Usage found in a chunk (OpenAI usage, llama.cpp
@@ -192,6 +236,7 @@ func relayEvents(w io.Writer, body io.Reader, hideUsage bool, onUsage func(ancho
 		last     anchor.Usage
 		have     bool
 		reported bool
+		complete bool // [DONE] or a finish reason arrived
 	)
 	report := func() {
 		if have && !reported {
@@ -207,6 +252,7 @@ func relayEvents(w io.Writer, body io.Reader, hideUsage bool, onUsage func(ancho
 		skip := false
 		switch {
 		case bytes.Equal(data, doneData):
+			complete = true
 			report()
 		case len(data) > 0 && (bytes.Contains(data, usageKey) || bytes.Contains(data, timingsKey)):
 			if u, ok := anchor.UsageFromJSON(data); ok {
@@ -224,6 +270,9 @@ func relayEvents(w io.Writer, body io.Reader, hideUsage bool, onUsage func(ancho
 					ev = rebuildEvent(ev, cut)
 				}
 			}
+		}
+		if !complete && bytes.Contains(data, finishReasonKey) && finished(data) {
+			complete = true
 		}
 		if skip {
 			return nil
@@ -251,15 +300,19 @@ func relayEvents(w io.Writer, body io.Reader, hideUsage bool, onUsage func(ancho
 		}
 		if err != nil {
 			// End of stream, clean or not: relay what is left and report
-			// usage if any arrived. A read error is returned as
-			// streamBroken: the caller must not end the client's stream as
-			// if it were complete.
+			// usage if any arrived. A read error, or an EOF before [DONE]
+			// or a finish reason, is returned as streamBroken: the caller
+			// must not end the client's stream as if it were complete
+			// (CRAFT habit 15: any io.EOF is not a normal end).
 			if werr := emit(ev); werr != nil {
 				return werr
 			}
 			report()
 			if err == io.EOF {
-				return nil
+				if complete {
+					return nil
+				}
+				return streamBroken{errEndedEarly}
 			}
 			return streamBroken{err}
 		}

@@ -3,6 +3,7 @@ package proxy
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"strings"
 	"testing"
 
@@ -102,5 +103,51 @@ func TestCutTopLevelKey(t *testing.T) {
 		if got, ok := cutTopLevelKey([]byte(in), "usage"); ok {
 			t.Errorf("cut(%s) = %s, want no cut", in, got)
 		}
+	}
+}
+
+// Item 2 and the usage-only suspicion: a stream that ends without [DONE] or
+// a finish reason is broken; a usage-only chunk without a choices key is
+// not relayed to a client that did not ask for usage.
+func TestRelayEventsEnds(t *testing.T) {
+	cases := []struct {
+		name    string
+		stream  string
+		hide    bool
+		broken  bool
+		visible []string
+		hidden  []string
+	}{
+		{"content then EOF", "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"one\"}}]}\n\ndata: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"two\"}}]}\n\n",
+			false, true, []string{"one", "two"}, nil},
+		{"nothing then EOF", "", false, true, nil, nil},
+		{"finish reason then EOF", "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n",
+			false, false, nil, nil},
+		{"[DONE]", "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"one\"}}]}\n\ndata: [DONE]\n\n",
+			false, false, []string{"one", "[DONE]"}, nil},
+		{"finish_reason null then EOF", "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"one\"},\"finish_reason\":null}]}\n\n",
+			false, true, []string{"one"}, nil},
+		{"usage-only chunk without choices, hidden", "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"one\"},\"finish_reason\":\"stop\"}]}\n\ndata: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"usage\":{\"prompt_tokens\":50,\"completion_tokens\":1}}\n\ndata: [DONE]\n\n",
+			true, false, []string{"one", "[DONE]"}, []string{`"id":"c","object"`, "usage"}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			var out bytes.Buffer
+			err := relayEvents(&out, strings.NewReader(tc.stream), tc.hide, func(anchor.Usage) {})
+			var broken streamBroken
+			if got := errors.As(err, &broken); got != tc.broken {
+				t.Errorf("relayEvents = %v, want broken=%v", err, tc.broken)
+			}
+			for _, v := range tc.visible {
+				if !strings.Contains(out.String(), v) {
+					t.Errorf("client did not get %q: %q", v, out.String())
+				}
+			}
+			for _, h := range tc.hidden {
+				if strings.Contains(out.String(), h) {
+					t.Errorf("client got %q: %q", h, out.String())
+				}
+			}
+		})
 	}
 }

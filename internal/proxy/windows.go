@@ -16,18 +16,44 @@ import (
 // from an overflow answer (the upstream's own word beats a stale setting);
 // else discovery (llama.cpp /props n_ctx, vLLM /v1/models max_model_len),
 // lowered by a learned n_ctx too; else the learned n_ctx alone.
+//
+// A learned n_ctx is evidence the upstream gave about itself (DESIGN §
+// Window; CRAFT habit 25): it comes only from a recognized overflow answer
+// (recognizeOverflow), it is never below the largest prompt the upstream
+// already accepted for that model, and it expires after
+// upstream.discovery_interval, so one request's answer never shrinks the
+// window for every tenant for good.
 type windows struct {
 	mu         sync.RWMutex
 	table      map[string]int
 	configured int
 	discovered map[string]int // per model (vLLM)
 	discDef    int            // whole upstream (llama.cpp /props)
-	learned    map[string]int
+	learned    map[string]learnedWindow
+	accepted   map[string]learnedWindow // the largest prompt accepted, per model
 	warned     map[string]bool
+	now        func() time.Time // nil: time.Now
 }
 
+// learnedWindow is a size with the time it stops counting.
+type learnedWindow struct {
+	n   int
+	exp time.Time
+}
+
+// maxLearned bounds the per-model maps (model names come from clients).
+const maxLearned = 1024
+
 func newWindows(table map[string]int, configured int) *windows {
-	return &windows{table: table, configured: configured, discovered: map[string]int{}, learned: map[string]int{}, warned: map[string]bool{}}
+	return &windows{table: table, configured: configured, discovered: map[string]int{},
+		learned: map[string]learnedWindow{}, accepted: map[string]learnedWindow{}, warned: map[string]bool{}}
+}
+
+func (w *windows) clock() time.Time {
+	if w.now != nil {
+		return w.now()
+	}
+	return time.Now()
 }
 
 // get returns the window for model, 0 when unknown.
@@ -37,7 +63,10 @@ func (w *windows) get(model string) int {
 	}
 	w.mu.RLock()
 	defer w.mu.RUnlock()
-	learned := w.learned[model]
+	learned := 0
+	if l, ok := w.learned[model]; ok && w.clock().Before(l.exp) {
+		learned = l.n
+	}
 	lower := func(n int) int {
 		if learned > 0 && learned < n {
 			return learned
@@ -61,16 +90,64 @@ func (w *windows) get(model string) int {
 // every model).
 func (w *windows) needsDiscovery() bool { return w.configured == 0 }
 
-// learn records an n_ctx reported by an overflow error.
-func (w *windows) learn(model string, n int) {
-	if n <= 0 {
+// learn records an n_ctx reported by a recognized overflow answer, for ttl
+// (upstream.discovery_interval; 0: not kept). It is refused when it is
+// below a prompt the upstream accepted for that model within ttl: the
+// upstream's own answers disagree, and the larger proves more. It reports
+// whether n was kept.
+func (w *windows) learn(model string, n int, ttl time.Duration) bool {
+	if n <= 0 || ttl <= 0 {
+		return false
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	now := w.clock()
+	if a, ok := w.accepted[model]; ok && now.Before(a.exp) && n < a.n {
+		return false
+	}
+	if _, ok := w.learned[model]; !ok && len(w.learned) >= maxLearned {
+		prune(w.learned, now)
+		if len(w.learned) >= maxLearned {
+			return false
+		}
+	}
+	w.learned[model] = learnedWindow{n: n, exp: now.Add(ttl)}
+	return true
+}
+
+// accept records a prompt of input tokens the upstream accepted for model
+// (a successful answer's reported input), kept for ttl: a learned n_ctx is
+// never below it.
+func (w *windows) accept(model string, input int, ttl time.Duration) {
+	if input <= 0 || ttl <= 0 {
 		return
 	}
 	w.mu.Lock()
-	if len(w.learned) < 1024 {
-		w.learned[model] = n
+	defer w.mu.Unlock()
+	now := w.clock()
+	a, ok := w.accepted[model]
+	if ok && now.Before(a.exp) && a.n >= input {
+		return
 	}
-	w.mu.Unlock()
+	if !ok && len(w.accepted) >= maxLearned {
+		prune(w.accepted, now)
+		if len(w.accepted) >= maxLearned {
+			return
+		}
+	}
+	w.accepted[model] = learnedWindow{n: input, exp: now.Add(ttl)}
+	if l, ok := w.learned[model]; ok && l.n < input {
+		delete(w.learned, model) // the upstream just accepted more than it
+	}
+}
+
+// prune drops expired entries.
+func prune(m map[string]learnedWindow, now time.Time) {
+	for k, v := range m {
+		if !now.Before(v.exp) {
+			delete(m, k)
+		}
+	}
 }
 
 // warnOnce reports whether model's unknown window has not been warned yet.

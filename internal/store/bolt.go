@@ -32,6 +32,10 @@ type Bolt struct {
 
 	stop chan struct{}
 	wg   sync.WaitGroup
+
+	// sweepGap, when set (tests), runs between the sweep's read of the
+	// expired keys and the transactions that delete them.
+	sweepGap func()
 }
 
 // BoltOptions configures OpenBolt.
@@ -187,7 +191,7 @@ func (b *Bolt) UpdateLineages(_ context.Context, key string, fn func([]compactio
 		cur, _ := decodeLineages(bv.records)
 		v, ok := fn(cur)
 		if ok {
-			bv.records = encodeLineages(v)
+			bv.records = encodeLineages(boundTrims(v))
 		}
 		return ok
 	})
@@ -222,19 +226,27 @@ func (b *Bolt) sweeper(every time.Duration) {
 // Sweep removes expired entries and, beyond MaxEntries, the ones nearest
 // to expiry (the least recently written); it returns how many it removed
 // and how many are left.
+//
+// The candidates are chosen in a read transaction and deleted in later
+// write transactions; each is checked again inside the write transaction
+// that deletes it (DESIGN § State): an expired entry only if it is still
+// expired, an excess one only if nobody wrote it since (its expiry is the
+// one the sweep saw). A request that wrote meanwhile keeps its anchor or
+// summary.
 func (b *Bolt) Sweep() (removed, left int, err error) {
 	type ent struct {
-		key []byte
-		exp int64
+		key    []byte
+		exp    int64
+		expire bool // chosen because it expired (else: beyond MaxEntries)
 	}
-	var drop [][]byte
+	var drop []ent
 	now := b.now().UnixNano()
 	err = b.db.View(func(tx *bolt.Tx) error {
 		var keep []ent
 		err := tx.Bucket(boltBucket).ForEach(func(k, v []byte) error {
 			bv, ok := splitBolt(v)
 			if !ok || (bv.exp != 0 && now >= bv.exp) {
-				drop = append(drop, slices.Clone(k))
+				drop = append(drop, ent{key: slices.Clone(k), expire: true})
 				return nil
 			}
 			keep = append(keep, ent{key: slices.Clone(k), exp: bv.exp})
@@ -250,9 +262,7 @@ func (b *Bolt) Sweep() (removed, left int, err error) {
 				}
 				return 0
 			})
-			for _, e := range keep[:len(keep)-b.max] {
-				drop = append(drop, e.key)
-			}
+			drop = append(drop, keep[:len(keep)-b.max]...)
 			keep = keep[len(keep)-b.max:]
 		}
 		left = len(keep)
@@ -261,6 +271,9 @@ func (b *Bolt) Sweep() (removed, left int, err error) {
 	if err != nil {
 		return 0, 0, fmt.Errorf("store: bolt sweep: %w", err)
 	}
+	if b.sweepGap != nil {
+		b.sweepGap()
+	}
 	// Delete in batches so a large sweep never holds the writer long.
 	for len(drop) > 0 {
 		n := min(len(drop), 1000)
@@ -268,16 +281,28 @@ func (b *Bolt) Sweep() (removed, left int, err error) {
 		drop = drop[n:]
 		if err := b.db.Update(func(tx *bolt.Tx) error {
 			bk := tx.Bucket(boltBucket)
-			for _, k := range batch {
-				if err := bk.Delete(k); err != nil {
+			now := b.now().UnixNano()
+			for _, e := range batch {
+				bv, ok := splitBolt(bk.Get(e.key))
+				switch {
+				case e.expire && ok && (bv.exp == 0 || now < bv.exp):
+					left++ // written since: live again
+					continue
+				case !e.expire && (!ok || bv.exp != e.exp):
+					if ok {
+						left++ // written since (or gone): not the entry chosen
+					}
+					continue
+				}
+				if err := bk.Delete(e.key); err != nil {
 					return err
 				}
+				removed++
 			}
 			return nil
 		}); err != nil {
 			return removed, left, fmt.Errorf("store: bolt sweep: %w", err)
 		}
-		removed += n
 	}
 	if err := b.db.Sync(); err != nil {
 		return removed, left, fmt.Errorf("store: bolt sync: %w", err)

@@ -15,7 +15,8 @@ import (
 // its type descriptors to every value and JSON would double the digests,
 // and DESIGN bounds a conversation to 2 KiB without summary text and trim
 // records. Each value starts with a format version; a value of another
-// version reads as absent (a cache: it is rebuilt by later requests).
+// version, or one that does not decode to its end, reads as absent, whole
+// (a cache: it is rebuilt by later requests).
 
 const (
 	// v2: anchors carry their view's local estimate; a lineage has a list
@@ -76,7 +77,10 @@ func decodeAnchors(b []byte) ([]anchor.Anchor, error) {
 		a.Local = int(r.uvarint())
 		as = append(as, a)
 	}
-	return as, r.err
+	if r.err != nil {
+		return nil, r.err // never a partial list (see decodeLineages)
+	}
+	return as, nil
 }
 
 func encodeLineages(ls []compaction.Lineage) []byte {
@@ -244,8 +248,18 @@ func decodeLineages(b []byte) ([]compaction.Lineage, error) {
 			}
 		}
 		ls = append(ls, l)
+		if r.err != nil {
+			break
+		}
 	}
-	return ls, r.err
+	if r.err != nil {
+		// Never a partial list: the lineage where reading failed is half
+		// read and the ones after it would be zero values; a caller that
+		// kept them would store them back over the value. An unreadable
+		// value reads as absent, like one of another version.
+		return nil, r.err
+	}
+	return ls, nil
 }
 
 // reader decodes with a sticky error: after the first short or bad read

@@ -1,7 +1,8 @@
 // Package store keeps per-conversation state behind one small interface
 // (Backend): one read and at most two writes per request, never one round
-// trip per message. Backends: memory (bounded by a maximum entry count,
-// least recently used evicted first, and a TTL since the last write), bolt
+// trip per message. Backends: memory (bounded by a maximum entry count and
+// by bytes, least recently used evicted first, and a TTL since the last
+// write), bolt
 // (an embedded file that survives restarts, swept in the background) and
 // redis (shared by replicas, every key with a TTL, with a lease so one
 // replica summarizes a lineage at a time).
@@ -24,12 +25,20 @@ type Memory[V any] struct {
 	now   func() time.Time
 	ll    *list.List
 	items map[string]*list.Element
+
+	// size, when set, measures a value in bytes; then maxBytes (> 0)
+	// bounds the sum, least recently used evicted first (the newest
+	// entry is always kept).
+	size     func(V) int64
+	maxBytes int64
+	bytes    int64
 }
 
 type entry[V any] struct {
-	key string
-	val V
-	exp time.Time
+	key  string
+	val  V
+	exp  time.Time
+	size int64
 }
 
 // NewMemory returns a store holding at most maxEntries values (0 = no
@@ -104,19 +113,34 @@ func (m *Memory[V]) put(key string, v V) {
 	if m.ttl > 0 {
 		exp = m.now().Add(m.ttl)
 	}
+	var size int64
+	if m.size != nil {
+		size = m.size(v)
+	}
 	if el, ok := m.items[key]; ok {
 		e := el.Value.(*entry[V])
-		e.val, e.exp = v, exp
+		m.bytes += size - e.size
+		e.val, e.exp, e.size = v, exp, size
 		m.ll.MoveToFront(el)
-		return
+	} else {
+		m.items[key] = m.ll.PushFront(&entry[V]{key: key, val: v, exp: exp, size: size})
+		m.bytes += size
 	}
-	m.items[key] = m.ll.PushFront(&entry[V]{key: key, val: v, exp: exp})
-	for m.max > 0 && m.ll.Len() > m.max {
+	for m.ll.Len() > 1 && ((m.max > 0 && m.ll.Len() > m.max) || (m.maxBytes > 0 && m.bytes > m.maxBytes)) {
 		m.remove(m.ll.Back())
 	}
 }
 
 func (m *Memory[V]) remove(el *list.Element) {
+	e := el.Value.(*entry[V])
 	m.ll.Remove(el)
-	delete(m.items, el.Value.(*entry[V]).key)
+	delete(m.items, e.key)
+	m.bytes -= e.size
+}
+
+// Bytes is the measured size of the values held (0 without a size func).
+func (m *Memory[V]) Bytes() int64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.bytes
 }

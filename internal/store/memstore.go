@@ -16,10 +16,23 @@ type MemoryBackend struct {
 	leases localLeases
 }
 
+// memoryEntryBytes is each conversation's share of the memory backend's
+// byte bound (store.max_entries × memoryEntryBytes: 400 MiB at the default
+// 100,000): DESIGN's 2 KiB of state per conversation plus room for a
+// summary of about a thousand tokens. A conversation may hold more (eight
+// lineages, each with a summary and trim records); the bound is on the
+// sum, least recently used evicted first, so a store full of large
+// summaries holds fewer conversations instead of more memory.
+const memoryEntryBytes = 4 << 10
+
 // NewMemoryBackend returns a memory backend of at most maxEntries
-// conversations, each expiring ttl after its last write.
+// conversations and maxEntries × memoryEntryBytes bytes of state (0: no
+// bound), each expiring ttl after its last write.
 func NewMemoryBackend(maxEntries int, ttl time.Duration) *MemoryBackend {
-	return &MemoryBackend{m: NewMemory[Conversation](maxEntries, ttl)}
+	m := NewMemory[Conversation](maxEntries, ttl)
+	m.size = conversationBytes
+	m.maxBytes = int64(maxEntries) * memoryEntryBytes
+	return &MemoryBackend{m: m}
 }
 
 // Load implements Backend.
@@ -40,7 +53,7 @@ func (b *MemoryBackend) UpdateAnchors(ctx context.Context, key string, fn func([
 func (b *MemoryBackend) UpdateLineages(ctx context.Context, key string, fn func([]compaction.Lineage) ([]compaction.Lineage, bool)) error {
 	return b.m.Update(ctx, key, func(c *Conversation) {
 		if v, ok := fn(c.Lineages); ok {
-			c.Lineages = v
+			c.Lineages = boundTrims(v)
 		}
 	})
 }
@@ -53,6 +66,9 @@ func (b *MemoryBackend) Lease(_ context.Context, name string, ttl time.Duration)
 	rel, ok := b.leases.take(name, ttl)
 	return rel, ok, nil
 }
+
+// Bytes is the measured size of the state held (conversationBytes).
+func (b *MemoryBackend) Bytes() int64 { return b.m.Bytes() }
 
 // Len is the number of conversations held.
 func (b *MemoryBackend) Len() int { return b.m.Len() }

@@ -22,7 +22,8 @@ import (
 // compaction path never write the same key; leases are {prefix}l:{name}.
 // The proxy's keys name the tenant by its HMAC and the conversation by an
 // opaque digest, never a raw credential or content. Every key is written
-// with the TTL.
+// with the TTL, and every write refreshes the TTL of the conversation's
+// other key too: they share one lifetime.
 //
 // Round trips: Load is one MGET; each update is one EVALSHA of a
 // compare-and-set script against the value this process last saw (from
@@ -53,7 +54,11 @@ type RedisOptions struct {
 }
 
 // casScript sets KEYS[1] to ARGV[2] (PX ARGV[3]) when its current value's
-// SHA-1 is ARGV[1] ("" = absent); otherwise it answers {0, current}.
+// SHA-1 is ARGV[1] ("" = absent); otherwise it answers {0, current}. A
+// successful write also gives KEYS[2], the conversation's other key, the
+// TTL again: a conversation's keys share one lifetime (DESIGN § State), so
+// the anchors written after every response keep its summary and latch
+// alive, and a compaction record keeps its anchors.
 var casScript = redis.NewScript(`
 local cur = redis.call('GET', KEYS[1])
 local h = ''
@@ -63,6 +68,7 @@ if h ~= ARGV[1] then
   return {0}
 end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+if KEYS[2] then redis.call('PEXPIRE', KEYS[2], ARGV[3]) end
 return {1}
 `)
 
@@ -166,6 +172,9 @@ func (r *Redis) Load(ctx context.Context, key string) (Conversation, bool, error
 		}
 		found = true
 		r.seen.put(k, []byte(s))
+		// An unreadable value (another format version, a corrupt write)
+		// reads as absent, whole: never a partly decoded list that the
+		// next write would re-encode (codec.go).
 		if i == 0 {
 			c.Anchors, _ = decodeAnchors([]byte(s))
 		} else {
@@ -181,7 +190,9 @@ const casAttempts = 12
 // errConflict: the compare-and-set lost to concurrent writers every time.
 var errConflict = errors.New("store: redis update: too many concurrent writers")
 
-func (r *Redis) update(ctx context.Context, rkey string, apply func(raw []byte) ([]byte, bool)) error {
+// update is a compare-and-set of rkey; sibling is the conversation's other
+// key, whose TTL the write refreshes.
+func (r *Redis) update(ctx context.Context, rkey, sibling string, apply func(raw []byte) ([]byte, bool)) error {
 	ctx, cancel, err := r.op(ctx)
 	if err != nil {
 		return err
@@ -212,7 +223,7 @@ func (r *Redis) update(ctx context.Context, rkey string, apply func(raw []byte) 
 			h := sha1.Sum(raw)
 			expect = hex.EncodeToString(h[:])
 		}
-		res, err := casScript.Run(ctx, r.c, []string{rkey}, expect, next, ttl).Slice()
+		res, err := casScript.Run(ctx, r.c, []string{rkey, sibling}, expect, next, ttl).Slice()
 		if err = r.result(err); err != nil {
 			return fmt.Errorf("store: redis update: %w", err)
 		}
@@ -235,7 +246,7 @@ func (r *Redis) update(ctx context.Context, rkey string, apply func(raw []byte) 
 
 // UpdateAnchors implements Backend.
 func (r *Redis) UpdateAnchors(ctx context.Context, key string, fn func([]anchor.Anchor) ([]anchor.Anchor, bool)) error {
-	return r.update(ctx, r.anchorsKey(key), func(raw []byte) ([]byte, bool) {
+	return r.update(ctx, r.anchorsKey(key), r.recordsKey(key), func(raw []byte) ([]byte, bool) {
 		cur, _ := decodeAnchors(raw)
 		v, ok := fn(cur)
 		if !ok {
@@ -247,13 +258,13 @@ func (r *Redis) UpdateAnchors(ctx context.Context, key string, fn func([]anchor.
 
 // UpdateLineages implements Backend.
 func (r *Redis) UpdateLineages(ctx context.Context, key string, fn func([]compaction.Lineage) ([]compaction.Lineage, bool)) error {
-	return r.update(ctx, r.recordsKey(key), func(raw []byte) ([]byte, bool) {
+	return r.update(ctx, r.recordsKey(key), r.anchorsKey(key), func(raw []byte) ([]byte, bool) {
 		cur, _ := decodeLineages(raw)
 		v, ok := fn(cur)
 		if !ok {
 			return nil, false
 		}
-		return encodeLineages(v), true
+		return encodeLineages(boundTrims(v)), true
 	})
 }
 

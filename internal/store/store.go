@@ -3,6 +3,7 @@ package store
 import (
 	"context"
 	"errors"
+	"slices"
 	"sync"
 	"time"
 
@@ -36,6 +37,61 @@ type Backend interface {
 	Lease(ctx context.Context, name string, ttl time.Duration) (release func(), ok bool, err error)
 	// Close stops background work and releases the backend.
 	Close() error
+}
+
+// Trim records are bounded per lineage by bytes: one is kept per long tool
+// result outside the tail, so a long agent run without a summary would
+// otherwise grow them with the conversation. Past maxTrimBytes the oldest
+// (lowest index) are let go: those messages are re-trimmed when needed
+// (trimming needs no model call).
+const (
+	trimRecordBytes = 48       // a compaction.Trim: index, 32-byte prefix digest, keep
+	maxTrimBytes    = 64 << 10 // per lineage: 1,365 records
+)
+
+// boundTrims returns ls with every lineage's trim records within
+// maxTrimBytes (the newest kept). ls is not modified; a lineage that needs
+// no cut shares its records.
+func boundTrims(ls []compaction.Lineage) []compaction.Lineage {
+	const most = maxTrimBytes / trimRecordBytes
+	var out []compaction.Lineage
+	for i, l := range ls {
+		if len(l.State.Trims) <= most {
+			continue
+		}
+		if out == nil {
+			out = slices.Clone(ls)
+		}
+		out[i].State.Trims = l.State.Trims[len(l.State.Trims)-most:]
+	}
+	if out == nil {
+		return ls
+	}
+	return out
+}
+
+// Sizes the memory backend counts a conversation at (conversationBytes):
+// the fixed part of an anchor and of a lineage as held in memory.
+const (
+	anchorBytes  = 80
+	lineageBytes = 256
+	dropBytes    = 48
+)
+
+// conversationBytes is about how much memory c holds.
+func conversationBytes(c Conversation) int64 {
+	n := int64(len(c.Anchors)) * anchorBytes
+	for _, l := range c.Lineages {
+		st := &l.State
+		n += lineageBytes + int64(len(st.Trims))*trimRecordBytes + int64(len(st.Drops))*dropBytes
+		if st.Summary != nil {
+			n += int64(len(st.Summary.Text))
+		}
+		if st.Pending != nil {
+			n += int64(len(st.Pending.Text))
+		}
+	}
+	return n
 }
 
 // ErrUnavailable is returned, without a round trip, while a shared backend
