@@ -215,7 +215,7 @@ func (s *Server) summaryCall(h http.Header, req *chat.Request) summarizer.Call {
 		fit := s.calibration.Fit(s.modelIdentity(sumModel))
 		call.Count = func(text string) int { return textTokens(fit, len(text)) }
 	} else {
-		call.Window = s.windows.table[sumModel]
+		call.Window = s.windows.listed(sumModel)
 	}
 	if s.summarizerIsUpstream && s.cfg.Compaction.Summarizer.APIKey == "" && s.cfg.Upstream.APIKey == "" {
 		call.Credentials = http.Header{}

@@ -274,3 +274,8 @@ func (s *Server) Start(ctx context.Context) {
 		}
 	}()
 }
+
+// listed is the window the models table gives model (0 = not listed): the
+// window of a summarizer model that is not the chat upstream's, whose
+// discovered and learned windows say nothing about it.
+func (w *windows) listed(model string) int { return w.table[model] }
