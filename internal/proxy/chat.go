@@ -133,8 +133,10 @@ type chatRequest struct {
 	unchanged bool
 	// compact: compaction applies to this request (enabled, no bypass).
 	compact bool
-	// decision is the compaction decision forward carries (compactChat).
-	decision compaction.Output
+	// decision is the compaction decision forward carries (compactChat);
+	// decisionSpent the time that decision waited for a summary.
+	decision      compaction.Output
+	decisionSpent time.Duration
 	// inject is set when the proxy injected include_usage, so the
 	// usage-only chunk must not reach the client.
 	inject bool

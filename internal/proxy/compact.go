@@ -36,7 +36,7 @@ func (s *Server) identify(r *http.Request, cr *chatRequest) *conversation {
 func (s *Server) compactChat(ctx context.Context, r *http.Request, cr *chatRequest, cv *conversation, pass compaction.Pass) {
 	out, spent := s.compact(ctx, r, cr, cv, compactOptions{pass: pass, enabled: cr.compact, summarize: true, commit: true})
 	cr.spent += spent
-	cr.decision = out
+	cr.decision, cr.decisionSpent = out, spent
 	if !sameView(out.Messages, cr.forward) {
 		cr.forward = out.Messages
 		cr.unchanged = false
@@ -49,7 +49,7 @@ func (s *Server) compactChat(ctx context.Context, r *http.Request, cr *chatReque
 func (s *Server) report(cr *chatRequest, cv *conversation, pass compaction.Pass) {
 	out, ci := cr.decision, cr.info
 	if out.Events.SummarizeCalled {
-		s.metrics.ObserveSummarize(out.Events.SummarizeOK, cr.spent)
+		s.metrics.ObserveSummarize(out.Events.SummarizeOK, cr.decisionSpent)
 	}
 	first := pass != compaction.PassRecover
 	if out.Events.Impossible && first {
