@@ -313,7 +313,7 @@ func selfCompaction(view []chat.Message) bool {
 // selfCompactionMarkers are sentences of the agents' own compaction
 // prompts.
 var selfCompactionMarkers = []string{
-	"CONTEXT CHECKPOINT COMPACTION",                         // Codex CLI
-	"create a detailed summary of the conversation so far", // Claude Code
+	"CONTEXT CHECKPOINT COMPACTION",                             // Codex CLI
+	"create a detailed summary of the conversation so far",      // Claude Code
 	"Provide a detailed prompt for continuing our conversation", // opencode
 }

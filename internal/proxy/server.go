@@ -28,16 +28,16 @@ const digestCacheEntries = 200000
 // Server is the proxy. Build it with New, serve Handler, call Start to begin
 // background work (context-window discovery) and Close when done.
 type Server struct {
-	cfg          config.Config
-	log          *zap.Logger
-	metrics      *metrics.Metrics
-	handler      http.Handler
-	up           upstreamURLs
-	chatURL      string
-	chatLogURL   string // chatURL as logs may show it (scheme, host, path)
+	cfg        config.Config
+	log        *zap.Logger
+	metrics    *metrics.Metrics
+	handler    http.Handler
+	up         upstreamURLs
+	chatURL    string
+	chatLogURL string // chatURL as logs may show it (scheme, host, path)
 	// dialectURLs are the upstream URLs of the compacted routes, by
 	// chat.Dialect (chat completions, responses, messages).
-	dialectURLs [3]string
+	dialectURLs  [3]string
 	transport    *http.Transport
 	retrier      *retrier
 	auth         *clientAuth
