@@ -290,6 +290,13 @@ func (b *builder) add(s *synth, u unit) {
 }
 
 func writeItem(h interface{ Write([]byte) (int, error) }, it []byte) {
+	if bytes.Contains(it, cacheControlKey) {
+		// A cache_control marker moves to the newest block each request
+		// (Claude Code) and changes no token: the digest ignores it, so
+		// a message keeps its digest, and its anchors, when the marker
+		// moves on. The bytes forwarded keep it.
+		it = withoutCacheControl(it)
+	}
 	var n [8]byte
 	l := len(it)
 	for i := range n {
@@ -447,3 +454,48 @@ func (r *Request) unchangedDialect(msgs []Message) bool {
 
 // intText is n as JSON.
 func intText(n int) []byte { return strconv.AppendInt(nil, int64(n), 10) }
+
+var cacheControlKey = []byte(`"cache_control"`)
+
+// withoutCacheControl returns the object raw without its "cache_control"
+// members, its own and its content blocks' (a tool_result's); every other
+// byte is kept, so a block without a marker digests as the same block
+// with one.
+func withoutCacheControl(raw []byte) []byte {
+	list, _, _, ok := members(raw)
+	if !ok {
+		return raw
+	}
+	out := make([]byte, 0, len(raw))
+	last := 0
+	for k, mb := range list {
+		switch {
+		case mb.key == "cache_control":
+			if k > 0 {
+				out = append(out, raw[last:list[k-1].end]...)
+			} else {
+				out = append(out, raw[last:mb.start]...)
+			}
+			last = mb.end
+			if k == 0 && len(list) > 1 {
+				last = list[1].start
+			}
+		case mb.key == "content" && bytes.Contains(raw[mb.val:mb.end], cacheControlKey):
+			var blocks []json.RawMessage
+			if json.Unmarshal(raw[mb.val:mb.end], &blocks) != nil {
+				continue
+			}
+			out = append(out, raw[last:mb.val]...)
+			out = append(out, '[')
+			for j, b := range blocks {
+				if j > 0 {
+					out = append(out, ',')
+				}
+				out = append(out, withoutCacheControl(b)...)
+			}
+			out = append(out, ']')
+			last = mb.end
+		}
+	}
+	return append(out, raw[last:]...)
+}

@@ -194,3 +194,30 @@ func TestMessagesEditedTurn(t *testing.T) {
 		t.Fatalf("results:\n%s", body)
 	}
 }
+
+func TestMessagesDigestIgnoresCacheControl(t *testing.T) {
+	a := `{"model":"m","max_tokens":9,"messages":[{"role":"user","content":[{"type":"text","text":"hi","cache_control":{"type":"ephemeral"}}]}]}`
+	b := `{"model":"m","max_tokens":9,"messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}]}`
+	c := `{"model":"m","max_tokens":9,"messages":[{"role":"user","content":[{"type":"text","text":"ho"}]}]}`
+	for _, tc := range [][2]string{
+		{`{"cache_control":{"type":"ephemeral"},"type":"text","text":"hi"}`, `{"type":"text","text":"hi"}`},
+		{`{"type":"text", "cache_control":{"type":"ephemeral"}, "text":"hi"}`, `{"type":"text", "text":"hi"}`},
+		{`{"type":"tool_result","tool_use_id":"t","content":[{"type":"text","text":"x","cache_control":{"type":"ephemeral"}}]}`, `{"type":"tool_result","tool_use_id":"t","content":[{"type":"text","text":"x"}]}`},
+	} {
+		if got := withoutCacheControl([]byte(tc[0])); string(got) != tc[1] {
+			t.Errorf("withoutCacheControl(%s) = %s", tc[0], got)
+		}
+	}
+	ra, _ := ParseDialect(DialectMessages, []byte(a))
+	rb, _ := ParseDialect(DialectMessages, []byte(b))
+	rc, _ := ParseDialect(DialectMessages, []byte(c))
+	if ra.Messages[0].Digest != rb.Messages[0].Digest {
+		t.Error("a moved cache_control marker changes the message's digest")
+	}
+	if rb.Messages[0].Digest == rc.Messages[0].Digest {
+		t.Error("two texts have one digest")
+	}
+	if got := ra.Build(ra.Messages, nil); string(got) != a {
+		t.Errorf("the marker is not forwarded as sent: %s", got)
+	}
+}
