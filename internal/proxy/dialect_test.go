@@ -322,3 +322,50 @@ func TestDialectErrorsInOwnEnvelope(t *testing.T) {
 		t.Fatalf("previous_response_id request: %d, forwarded %s", resp.StatusCode, up.last(t).Body)
 	}
 }
+
+// TestDialectPreviewAndSelfCompaction: the preview reads a Messages body
+// and answers the view in its own dialect; an agent's own compaction
+// request is forwarded with its whole history while it fits, though a
+// stored summary would apply to it.
+func TestDialectPreviewAndSelfCompaction(t *testing.T) {
+	up := newDialectUpstream(t, 4000)
+	cfg := testConfig(up.URL)
+	cfg.Upstream.ContextWindow = 4000
+	p := newTestProxy(t, cfg)
+	a := &dialectAgent{d: chat.DialectMessages}
+	a.start()
+	// Steps until the first compaction: the history is then over the
+	// trigger, not over the window.
+	for step := 0; ; step++ {
+		a.toolStep(1000)
+		resp := p.post(t, "/v1/messages", a.body(false))
+		readAll(t, resp)
+		if resp.StatusCode != 200 || step > 20 {
+			t.Fatalf("step %d: %d", step, resp.StatusCode)
+		}
+		if resp.Header.Get("X-Compactproxy-Compaction") != "none" {
+			break
+		}
+	}
+	resp := p.post(t, "/v1/compactproxy/preview", a.body(false), "Anthropic-Version", "2023-06-01")
+	got := readAll(t, resp)
+	var pv struct {
+		Messages []json.RawMessage `json:"messages"`
+		Action   string            `json:"action"`
+	}
+	if resp.StatusCode != 200 || json.Unmarshal(got, &pv) != nil || len(pv.Messages) == 0 {
+		t.Fatalf("preview: %d %s", resp.StatusCode, got)
+	}
+	if pv.Action == "none" || !bytes.HasPrefix(pv.Messages[0], []byte(`{"role":"user","content":`)) || bytes.Contains(got, []byte(`"role":"tool"`)) {
+		t.Fatalf("preview is not a compacted Messages view: %s", got)
+	}
+	// The agent asks to summarize: the whole history fits the window, so
+	// it is forwarded whole, stored summary or not.
+	a.items = append(a.items, `{"role":"user","content":"Your task is to create a detailed summary of the conversation so far."}`)
+	full := a.body(false)
+	resp = p.post(t, "/v1/messages", full)
+	readAll(t, resp)
+	if resp.StatusCode != 200 || !bytes.Equal(up.last(t).Body, []byte(full)) || resp.Header.Get("X-Compactproxy-Compaction") != "none" {
+		t.Fatalf("self-compaction request: %d %s; forwarded whole: %v", resp.StatusCode, resp.Header.Get("X-Compactproxy-Compaction"), bytes.Equal(up.last(t).Body, []byte(full)))
+	}
+}
