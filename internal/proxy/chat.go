@@ -110,7 +110,7 @@ func (s *Server) answer(w http.ResponseWriter, r *http.Request, cr *chatRequest,
 		ri.status = 499
 	case errors.As(err, &ue):
 		s.log.Warn("upstream request failed", zap.String("request_id", ri.id),
-			zap.String("upstream", s.chatLogURL), zap.String("error_class", ue.failure.code))
+			zap.String("upstream", s.dialectLogURLs[d]), zap.String("error_class", ue.failure.code))
 		writeErrorIn(d, w, ue.failure.status, "upstream_error", ue.failure.code, "", "compactproxy: "+ue.failure.text)
 	default:
 		writeErrorIn(d, w, http.StatusInternalServerError, "server_error", "", "", "compactproxy: internal error")
@@ -123,7 +123,7 @@ type chatRequest struct {
 	dialect chat.Dialect // the API the client speaks (the route)
 	// query is the client's query string, forwarded with the request
 	// (Claude Code's ?beta=true, Azure's ?api-version=).
-	query string
+	query   string
 	start   time.Time
 	reqID   string // the proxy's request id (logs, X-Request-Id)
 	req     *chat.Request
