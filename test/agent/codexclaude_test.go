@@ -72,7 +72,8 @@ var (
 type dialectCase struct {
 	agent *dialectAgent
 	// fileCount files of at least fileBytes: with ls and files pairAt and
-	// pairAt+1 read in one turn, 30 tool steps for 30 files.
+	// pairAt+1 read in one turn, 30 tool steps for 30 files. Codex reads
+	// with `cat` through its exec_command tool, Claude Code with Read.
 	fileCount, fileBytes, pairAt int
 	// failedStream: the mock's overflow is a response.failed event in a
 	// 200 stream instead of a 400 (Responses only).
@@ -81,7 +82,7 @@ type dialectCase struct {
 }
 
 func (c dialectCase) name() string {
-	n := fmt.Sprintf("%s/%dk/reads_%dk", c.agent.name, dialectWindow/1000, c.fileBytes/1000)
+	n := fmt.Sprintf("%s/%dk/reads_%dx%dk", c.agent.name, dialectWindow/1000, c.fileCount, c.fileBytes/1000)
 	switch {
 	case c.agent.dialect != dialectResponses:
 	case c.failedStream:
@@ -107,8 +108,18 @@ var dialectCases = []dialectCase{
 	{agent: codexAgent, fileCount: 30, fileBytes: 8000, pairAt: 2},
 	{agent: codexAgent, fileCount: 30, fileBytes: 8000, pairAt: 2, failedStream: true},
 	// ~5.5 KB a step (Read's numbered lines of a 4 KB file, the call, a
-	// thinking block): ~1,400 tokens at the mock's rate.
+	// thinking block): ~1,500 tokens at the mock's rate, a fifth of the
+	// room compactproxy leaves Claude Code's conversation (the budget,
+	// 30,000, less its ~22,000-token fixed part and task).
 	{agent: claudeAgent, fileCount: 30, fileBytes: 4000, pairAt: 2},
+	// make agent-matrix: Codex over twice as many steps (it caps a tool
+	// output in its history at ~10 KB, so larger files would not make a
+	// step larger); Claude Code with reads twice as large (~2,800 tokens
+	// a step, a third of its room: straight at the mock it dies, its own
+	// compaction no longer fitting the window).
+	{agent: codexAgent, fileCount: 60, fileBytes: 8000, pairAt: 2, matrix: true},
+	{agent: codexAgent, fileCount: 60, fileBytes: 8000, pairAt: 2, failedStream: true, matrix: true},
+	{agent: claudeAgent, fileCount: 30, fileBytes: 8000, pairAt: 2, matrix: true},
 }
 
 // agentReady skips (fails under CI) where the agent cannot run: no binary
@@ -506,6 +517,18 @@ func dialectDirect(t *testing.T, root string, c dialectCase) {
 	}
 	if r.overflowsAtMock() == 0 {
 		t.Errorf("the conversation never overflowed the %d window (largest request %d tokens): the case shows nothing", dialectWindow, r.maxPrompt())
+	}
+	// The mock's cache model, checked where nothing compacts: an agent
+	// request right after the previous one of the same conversation
+	// extends it, so all of the previous prompt is reported cached.
+	for i := 1; i < len(r.ups); i++ {
+		prev, u := r.ups[i-1], r.ups[i]
+		if prev.Kind != kindAgent || u.Kind != kindAgent || prev.Overflow || u.Overflow {
+			continue
+		}
+		if float64(u.Cached) < 0.95*float64(prev.Prompt) {
+			t.Errorf("mock request %d (turn %d): %d tokens reported cached after a request of %d it extends: the mock's cache model is broken", i, u.Turn, u.Cached, prev.Prompt)
+		}
 	}
 	// The baseline issue 21 describes, checked so that a change in the
 	// agent (or the mock) that removes it is noticed.
