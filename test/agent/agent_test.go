@@ -31,6 +31,10 @@
 // else is reachable from there, which the test probes before it starts
 // the agent.
 //
+// Codex CLI and Claude Code, which speak the Responses and Messages APIs,
+// are driven by TestCodexAndClaudeCode (codexclaude_test.go) against their
+// own mock (dialectmock_test.go), with this file's recorder.
+//
 // It needs node >= 20.6 and, on a fresh machine, npm
 // (scripts/agent-deps.sh installs the agents from the lockfile); opencode
 // also needs linux-x64 and CAP_SYS_ADMIN for the namespace (root). Without

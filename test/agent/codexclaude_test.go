@@ -288,7 +288,7 @@ type dialectRun struct {
 	turns  []turn
 	others []string
 	ups    []dreq
-	byTurn map[int][]dreq // the mock's requests carrying each turn's header
+	byTurn map[int][]dreq // the mock's requests carrying each turn's header, summarize calls left out
 	// selfCompactTurns are the agent's own compaction requests as it sent
 	// them (recognized from its bodies).
 	selfCompactTurns []int
@@ -305,7 +305,7 @@ func collectRun(c dialectCase, run agentRun, rec *recorder, mock *dialectMock) *
 	r.others = append(r.others, mock.otherRequests()...)
 	r.ups = mock.requests()
 	for _, u := range r.ups {
-		if u.Turn >= 0 {
+		if u.Turn >= 0 && u.Kind != kindSummarize {
 			r.byTurn[u.Turn] = append(r.byTurn[u.Turn], u)
 		}
 		if u.Kind == kindSummarize {
