@@ -146,12 +146,24 @@ func (m *dialectMock) serve(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	path := r.URL.Path
-	if r.Method == http.MethodPost && path == "/v1/messages/count_tokens" {
+	// The providers' token counters, counted like a request: Anthropic's
+	// count_tokens (Claude Code calls it after compacting itself) and
+	// OpenAI's input_tokens (DESIGN: compactproxy may count a freshly
+	// built view there).
+	switch {
+	case r.Method == http.MethodPost && path == "/v1/messages/count_tokens":
 		m.mu.Lock()
-		m.others = append(m.others, r.Method+" "+path)
+		m.others = append(m.others, fmt.Sprintf("%s %s (turn header %q) → %d tokens", r.Method, path, r.Header.Get(turnHeader), m.tokens(body)))
 		m.mu.Unlock()
 		w.Header().Set("Content-Type", "application/json")
 		fmt.Fprintf(w, `{"input_tokens":%d}`, m.tokens(body))
+		return
+	case r.Method == http.MethodPost && path == "/v1/responses/input_tokens":
+		m.mu.Lock()
+		m.others = append(m.others, fmt.Sprintf("%s %s (turn header %q) → %d tokens", r.Method, path, r.Header.Get(turnHeader), m.tokens(body)))
+		m.mu.Unlock()
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprintf(w, `{"object":"response.input_tokens","input_tokens":%d}`, m.tokens(body))
 		return
 	}
 	if r.Method != http.MethodPost || (path != "/v1/responses" && path != "/v1/messages" && path != "/v1/chat/completions") {
