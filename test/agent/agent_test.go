@@ -256,8 +256,33 @@ type turn struct {
 	Status int
 	Header http.Header // compactproxy's response headers
 	// Resp is the answer's body as the agent received it (a stream
-	// included), for telling which answers were overflows.
-	Resp *lockedBuffer
+	// included), for telling which answers were overflows; RespErr the
+	// error that ended reading it early, if any (not io.EOF).
+	Resp    *lockedBuffer
+	RespErr *errBox
+}
+
+// errBox holds an error set by one goroutine and read by another.
+type errBox struct {
+	mu  sync.Mutex
+	err error
+}
+
+func (b *errBox) set(err error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.err == nil {
+		b.err = err
+	}
+}
+
+func (b *errBox) get() error {
+	if b == nil {
+		return nil
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.err
 }
 
 // recorder sits between the agent and compactproxy: it numbers the agent's
@@ -298,9 +323,9 @@ func newRecorderOn(t *testing.T, target string, ln net.Listener) *recorder {
 			defer rec.mu.Unlock()
 			rec.turns[n].Status = resp.StatusCode
 			rec.turns[n].Header = resp.Header.Clone()
-			buf := &lockedBuffer{}
-			rec.turns[n].Resp = buf
-			resp.Body = teeBody{ReadCloser: resp.Body, to: buf}
+			buf, eb := &lockedBuffer{}, &errBox{}
+			rec.turns[n].Resp, rec.turns[n].RespErr = buf, eb
+			resp.Body = teeBody{ReadCloser: resp.Body, to: buf, err: eb}
 			return nil
 		},
 	}
@@ -336,12 +361,16 @@ func (rec *recorder) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // teeBody copies what is read from a response body to a buffer.
 type teeBody struct {
 	io.ReadCloser
-	to *lockedBuffer
+	to  *lockedBuffer
+	err *errBox
 }
 
 func (b teeBody) Read(p []byte) (int, error) {
 	n, err := b.ReadCloser.Read(p)
 	b.to.Write(p[:n])
+	if err != nil && err != io.EOF {
+		b.err.set(err)
+	}
 	return n, err
 }
 

@@ -20,6 +20,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math"
 	"net/http"
@@ -275,7 +276,16 @@ func TestCodexAndClaudeCode(t *testing.T) {
 			}
 			agentReady(t, root, c.agent.bin)
 			t.Run("direct", func(t *testing.T) { dialectDirect(t, root, c) })
-			t.Run("through_compactproxy", func(t *testing.T) { dialectThroughProxy(t, root, bin, c) })
+			t.Run("through_compactproxy", func(t *testing.T) { dialectThroughProxy(t, root, bin, c, dialectWindow) })
+			// compactproxy told a window twice as large as the mock
+			// enforces (a provider that serves less than it advertises):
+			// its own estimate lets requests through that the mock
+			// refuses, so the overflow, in the case's shape, reaches
+			// compactproxy, which must recover (compact and resend) before
+			// anything reaches the agent.
+			t.Run("through_compactproxy_window_overstated", func(t *testing.T) {
+				dialectThroughProxy(t, root, bin, c, 2*dialectWindow)
+			})
 		})
 	}
 }
@@ -507,6 +517,11 @@ func dialectDirect(t *testing.T, root string, c dialectCase) {
 	if len(run.guard) > 0 {
 		t.Errorf("the agent could reach past loopback: %v", run.guard)
 	}
+	for _, tr := range r.turns {
+		if err := tr.RespErr.get(); err != nil && !errors.Is(err, context.Canceled) {
+			t.Errorf("turn %d: reading the mock's answer failed: %v", tr.N, err)
+		}
+	}
 	for i, u := range r.ups {
 		for _, p := range u.Problems {
 			t.Errorf("mock request %d (turn %d, %s): %s", i, u.Turn, u.Kind, p)
@@ -553,15 +568,20 @@ func dialectDirect(t *testing.T, root string, c dialectCase) {
 // dialectThroughProxy runs the agent through compactproxy at its defaults
 // (the upstream URL and the window, which the mock does not advertise) and
 // asserts issue 21's "Done when".
-func dialectThroughProxy(t *testing.T, root, bin string, c dialectCase) {
+func dialectThroughProxy(t *testing.T, root, bin string, c dialectCase, proxyWindow int) {
+	overstated := proxyWindow > dialectWindow
 	project, files := writeProject(t, workload{name: "reads", fileCount: c.fileCount, fileBytes: c.fileBytes, pairAt: c.pairAt})
 	mock := newDialectMock(t, c.agent.dialect, dialectWindow, c.agent.rate, project, files, c.pairAt, c.failedStream)
-	proxy := startProxy(t, bin, mock.srv.URL+"/v1", "COMPACTPROXY_UPSTREAM_CONTEXT_WINDOW="+strconv.Itoa(dialectWindow))
+	proxy := startProxy(t, bin, mock.srv.URL+"/v1", "COMPACTPROXY_UPSTREAM_CONTEXT_WINDOW="+strconv.Itoa(proxyWindow))
 	run, rec := c.agent.run(t, root, project, proxy.URL)
 	r := collectRun(c, run, rec, mock)
 	r.dump(t)
 	r.table(t)
-	r.figures(t, "through compactproxy")
+	if overstated {
+		r.figures(t, fmt.Sprintf("through compactproxy told %d", proxyWindow))
+	} else {
+		r.figures(t, "through compactproxy")
+	}
 	t.Logf("metrics: %s", strings.Join(metricLines(t, proxy,
 		"compactproxy_compactions_total", "compactproxy_summarize_total", "compactproxy_presummarize_total",
 		"compactproxy_compaction_invariant_failures_total", "compactproxy_compaction_impossible_total",
@@ -607,6 +627,21 @@ func dialectThroughProxy(t *testing.T, root, bin string, c dialectCase) {
 		for _, tr := range r.turns {
 			if tr.Status != http.StatusOK && !isOverflowAnswer(tr) {
 				t.Errorf("turn %d: answered %d: %.300q", tr.N, tr.Status, tr.Resp.String())
+			}
+		}
+	})
+
+	t.Run("answers_end_cleanly", func(t *testing.T) {
+		// Every answer's body reaches its end: a stream cut off (an
+		// unexpected EOF in the chunked encoding) is a broken answer even
+		// when the agent had what it needed before the cut.
+		for _, tr := range r.turns {
+			// context.Canceled: the agent closed the connection itself, as
+			// Codex does once it has response.completed.
+			if err := tr.RespErr.get(); err != nil && !errors.Is(err, context.Canceled) {
+				b := tr.Resp.Bytes()
+				t.Errorf("turn %d (%s): reading compactproxy's answer failed after %d bytes: %v; the answer's last bytes: %q",
+					tr.N, tr.Header.Get("X-Compactproxy-Compaction"), len(b), err, b[max(0, len(b)-160):])
 			}
 		}
 	})
@@ -732,6 +767,17 @@ func dialectThroughProxy(t *testing.T, root, bin string, c dialectCase) {
 		}
 		if actions["dropped"] > 0 {
 			t.Errorf("%d requests were forwarded with turns dropped while the summarizer works", actions["dropped"])
+		}
+		if overstated {
+			// The overflows are the point here: they must reach
+			// compactproxy (else the variant shows nothing) and be
+			// recovered from (no_overflow_reaches_agent).
+			retries := metricSum(t, proxy, "compactproxy_upstream_retries_total")
+			t.Logf("%d overflow answers from the mock (told %d, enforcing %d); compactproxy_upstream_retries_total %v", r.overflowsAtMock(), proxyWindow, dialectWindow, retries)
+			if r.overflowsAtMock() == 0 {
+				t.Errorf("no request overflowed the mock's %d window with compactproxy told %d: the variant exercises no recovery", dialectWindow, proxyWindow)
+			}
+			return
 		}
 		for _, u := range r.ups {
 			if u.Prompt > dialectWindow {
