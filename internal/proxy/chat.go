@@ -121,6 +121,9 @@ func (s *Server) answer(w http.ResponseWriter, r *http.Request, cr *chatRequest,
 // only, filled by the stages in order.
 type chatRequest struct {
 	dialect chat.Dialect // the API the client speaks (the route)
+	// query is the client's query string, forwarded with the request
+	// (Claude Code's ?beta=true, Azure's ?api-version=).
+	query string
 	start   time.Time
 	reqID   string // the proxy's request id (logs, X-Request-Id)
 	req     *chat.Request
@@ -232,6 +235,7 @@ func (s *Server) readChat(w http.ResponseWriter, r *http.Request) (*chatRequest,
 	}
 	cr := &chatRequest{
 		dialect:     d,
+		query:       r.URL.RawQuery,
 		start:       start,
 		reqID:       infoFrom(r.Context()).id,
 		req:         req,

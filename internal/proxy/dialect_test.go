@@ -42,7 +42,9 @@ func newDialectUpstream(t *testing.T, window int) *dialectUpstream {
 			ToolChoice json.RawMessage `json:"tool_choice"`
 		}
 		_ = json.Unmarshal(body, &req)
-		summarize := bytes.Contains(req.ToolChoice, []byte("none"))
+		// The proxy's summarize calls: prefix-shaped (tool_choice none) or
+		// a transcript (no tools); the agent always declares its tools.
+		summarize := bytes.Contains(req.ToolChoice, []byte("none")) || !bytes.Contains(body, []byte(`"tools"`))
 		w.Header().Set("Content-Type", "application/json")
 		switch r.URL.Path {
 		case "/v1/responses":
@@ -186,7 +188,7 @@ func TestDialectLoopsCompact(t *testing.T) {
 				newest := a.toolStep(1500)
 				stream := step%2 == 0 || tc.inStream
 				body := a.body(stream)
-				resp := p.post(t, path, body, "Anthropic-Version", "2023-06-01")
+				resp := p.post(t, path+"?beta=true", body, "Anthropic-Version", "2023-06-01")
 				got := readAll(t, resp)
 				if resp.StatusCode != 200 {
 					t.Fatalf("step %d: %d %s", step, resp.StatusCode, got)
@@ -216,6 +218,9 @@ func TestDialectLoopsCompact(t *testing.T) {
 				if r.Path != path {
 					t.Errorf("a request went to %s, not the client's dialect %s", r.Path, path)
 				}
+				if isAgentRequest(r.Body) && r.Query != "beta=true" {
+					t.Errorf("the client's query string was not forwarded: %q", r.Query)
+				}
 			}
 			if v := counter(t, p.reg, "compactproxy_compactions_total", map[string]string{"action": "dropped"}); v != 0 {
 				t.Errorf("%v drops while the summarizer answers", v)
@@ -233,7 +238,7 @@ func lastAgentRequest(t *testing.T, up *dialectUpstream, path string) []byte {
 	t.Helper()
 	rs := up.requests()
 	for i := len(rs) - 1; i >= 0; i-- {
-		if rs[i].Path == path && !bytes.Contains(rs[i].Body, []byte(`"tool_choice"`)) {
+		if rs[i].Path == path && isAgentRequest(rs[i].Body) {
 			return rs[i].Body
 		}
 	}
@@ -321,4 +326,57 @@ func TestDialectErrorsInOwnEnvelope(t *testing.T) {
 	if resp.StatusCode != 200 || string(up.last(t).Body) != body {
 		t.Fatalf("previous_response_id request: %d, forwarded %s", resp.StatusCode, up.last(t).Body)
 	}
+}
+
+// TestDialectPreviewAndSelfCompaction: the preview reads a Messages body
+// and answers the view in its own dialect; an agent's own compaction
+// request is forwarded with its whole history while it fits, though a
+// stored summary would apply to it.
+func TestDialectPreviewAndSelfCompaction(t *testing.T) {
+	up := newDialectUpstream(t, 4000)
+	cfg := testConfig(up.URL)
+	cfg.Upstream.ContextWindow = 4000
+	p := newTestProxy(t, cfg)
+	a := &dialectAgent{d: chat.DialectMessages}
+	a.start()
+	// Steps until the first compaction: the history is then over the
+	// trigger, not over the window.
+	for step := 0; ; step++ {
+		a.toolStep(1000)
+		resp := p.post(t, "/v1/messages", a.body(false))
+		readAll(t, resp)
+		if resp.StatusCode != 200 || step > 20 {
+			t.Fatalf("step %d: %d", step, resp.StatusCode)
+		}
+		if resp.Header.Get("X-Compactproxy-Compaction") != "none" {
+			break
+		}
+	}
+	resp := p.post(t, "/v1/compactproxy/preview", a.body(false), "Anthropic-Version", "2023-06-01")
+	got := readAll(t, resp)
+	var pv struct {
+		Messages []json.RawMessage `json:"messages"`
+		Action   string            `json:"action"`
+	}
+	if resp.StatusCode != 200 || json.Unmarshal(got, &pv) != nil || len(pv.Messages) == 0 {
+		t.Fatalf("preview: %d %s", resp.StatusCode, got)
+	}
+	if pv.Action == "none" || !bytes.HasPrefix(pv.Messages[0], []byte(`{"role":"user","content":`)) || bytes.Contains(got, []byte(`"role":"tool"`)) {
+		t.Fatalf("preview is not a compacted Messages view: %s", got)
+	}
+	// The agent asks to summarize: the whole history fits the window, so
+	// it is forwarded whole, stored summary or not.
+	a.items = append(a.items, `{"role":"user","content":"Your task is to create a detailed summary of the conversation so far."}`)
+	full := a.body(false)
+	resp = p.post(t, "/v1/messages", full)
+	readAll(t, resp)
+	if resp.StatusCode != 200 || !bytes.Equal(up.last(t).Body, []byte(full)) || resp.Header.Get("X-Compactproxy-Compaction") != "none" {
+		t.Fatalf("self-compaction request: %d %s; forwarded whole: %v", resp.StatusCode, resp.Header.Get("X-Compactproxy-Compaction"), bytes.Equal(up.last(t).Body, []byte(full)))
+	}
+}
+
+// isAgentRequest tells the agent's requests from the proxy's summarize
+// calls (tool_choice none, or a transcript without tools).
+func isAgentRequest(body []byte) bool {
+	return bytes.Contains(body, []byte(`"tools"`)) && !bytes.Contains(body, []byte(`"tool_choice"`))
 }

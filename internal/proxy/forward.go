@@ -42,7 +42,11 @@ func (s *Server) send(ctx context.Context, cr *chatRequest) (*http.Response, err
 		}
 		upStart := time.Now()
 		resp, err := s.retrier.do(ctx, "chat", func() (*http.Request, error) {
-			req, err := http.NewRequest(http.MethodPost, s.dialectURLs[cr.dialect], cr.pb.reader(body))
+			target := s.dialectURLs[cr.dialect]
+			if cr.query != "" {
+				target += "?" + cr.query
+			}
+			req, err := http.NewRequest(http.MethodPost, target, cr.pb.reader(body))
 			if err != nil {
 				return nil, err
 			}
