@@ -698,8 +698,8 @@ func dialectThroughProxy(t *testing.T, root, bin string, c dialectCase, proxyWin
 			}
 			for _, u := range r.byTurn[tr.N] {
 				if got := newestResult(d, u.Body); !bytes.Equal(got, want) {
-					t.Errorf("turn %d (%s): the newest tool result did not reach the mock verbatim as the last one (%d bytes sent, %d received)",
-						tr.N, tr.Header.Get("X-Compactproxy-Compaction"), len(want), len(got))
+					t.Errorf("turn %d (%s): the newest tool results did not reach the mock verbatim as the last ones (%d bytes sent, %d received)%s",
+						tr.N, tr.Header.Get("X-Compactproxy-Compaction"), len(want), len(got), resultDiff(d, tr.Body, u.Body))
 				}
 			}
 		}
@@ -855,6 +855,52 @@ func newestResult(d dialect, body []byte) []byte {
 		}
 	}
 	return nil
+}
+
+// resultDiff names the trailing tool results that changed between the
+// agent's body and the forwarded one: their ids and sizes, and whether
+// compactproxy excerpted them.
+func resultDiff(d dialect, sent, got []byte) string {
+	results := func(body []byte) map[string][]byte {
+		out := map[string][]byte{}
+		switch d {
+		case dialectResponses:
+			_, items, _ := parseResponsesReq(body)
+			for i := len(items) - 1; i >= 0 && strings.HasSuffix(items[i].Type, "_output"); i-- {
+				out[items[i].CallID] = items[i].Raw
+			}
+		case dialectMessages:
+			_, msgs, _ := parseMessagesReq(body)
+			if len(msgs) > 0 {
+				for _, raw := range rawBlocksOf(msgs[len(msgs)-1].Content) {
+					var b block
+					json.Unmarshal(raw, &b)
+					if b.Type == "tool_result" {
+						out[b.ToolUseID] = raw
+					}
+				}
+			}
+		}
+		return out
+	}
+	a, b := results(sent), results(got)
+	var notes []string
+	for id, raw := range a {
+		switch g, ok := b[id]; {
+		case !ok:
+			notes = append(notes, fmt.Sprintf("%s (%d bytes) missing", id, len(raw)))
+		case !bytes.Equal(g, raw):
+			note := fmt.Sprintf("%s changed: %d → %d bytes", id, len(raw), len(g))
+			if i := bytes.Index(g, []byte("elided by compactproxy")); i >= 0 {
+				note += fmt.Sprintf(", excerpted (%q)", g[max(0, i-30):min(len(g), i+22)])
+			}
+			notes = append(notes, note)
+		}
+	}
+	if len(notes) == 0 {
+		return ""
+	}
+	return ": " + strings.Join(notes, "; ")
 }
 
 // opaqueParts are the raw bytes of every reasoning item (Responses) or
