@@ -292,7 +292,12 @@ func (s *Server) upstreamHeaders(in http.Header) http.Header {
 	if key := s.cfg.Upstream.APIKey.Reveal(); key != "" {
 		h.Del("X-Api-Key")
 		h.Del("Api-Key")
-		h.Set("Authorization", "Bearer "+key)
+		h.Del("Authorization")
+		if s.cfg.Upstream.Dialect == "anthropic" {
+			h.Set("X-Api-Key", key) // Anthropic's own header
+		} else {
+			h.Set("Authorization", "Bearer "+key)
+		}
 	}
 	return h
 }

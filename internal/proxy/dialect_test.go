@@ -380,3 +380,20 @@ func TestDialectPreviewAndSelfCompaction(t *testing.T) {
 func isAgentRequest(body []byte) bool {
 	return bytes.Contains(body, []byte(`"tools"`)) && !bytes.Contains(body, []byte(`"tool_choice"`))
 }
+
+// TestAnthropicUpstreamKey: with upstream.dialect anthropic, the proxy's
+// upstream key goes in Anthropic's own header, the client's never.
+func TestAnthropicUpstreamKey(t *testing.T) {
+	up := newDialectUpstream(t, 4000)
+	cfg := testConfig(up.URL)
+	cfg.Upstream.Dialect = "anthropic"
+	cfg.Upstream.APIKey = "sk-ant-upstream"
+	cfg.Auth.AllowAnonymous = true
+	p := newTestProxy(t, cfg)
+	resp := p.post(t, "/v1/messages", `{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"hi"}]}`, "X-Api-Key", "sk-client")
+	readAll(t, resp)
+	h := up.last(t).Header
+	if resp.StatusCode != 200 || h.Get("X-Api-Key") != "sk-ant-upstream" || h.Get("Authorization") != "" {
+		t.Fatalf("%d: upstream got X-Api-Key %q, Authorization %q", resp.StatusCode, h.Get("X-Api-Key"), h.Get("Authorization"))
+	}
+}
