@@ -276,7 +276,7 @@ func TestHugeTail(t *testing.T) {
 
 func hugeTail(t *testing.T, sum *fakeSummarizer) {
 	s := &session{tb: t, e: newDriver(baseConfig(), sum, newClock()), win: 10000}
-	conv := agentSteps(3, 1000)
+	conv := agentSteps(12, 1000)
 	huge := blob("store.py", 28000) // ≈ 7000 tokens: over the target, under the budget
 	conv = append(conv, callMsg("", `cat:bash:{"cmd":"cat store.py"}`), toolMsg("cat", huge))
 	for step := 0; step < 4; step++ {
@@ -828,5 +828,29 @@ func TestSummaryReplacesTrims(t *testing.T) {
 	}
 	if len(out.State.Trims) != 0 || out.Forwarded >= out.Target {
 		t.Fatalf("trims %v forwarded %d", out.State.Trims, out.Forwarded)
+	}
+}
+
+// (d2) A final turn of parallel reads larger than the target: its results
+// are the files the model is working on. While the view is within the
+// budget none of them is excerpted — not to reach the target, not to make
+// the summary room (Claude Code's parallel Read pair lost its first file
+// to an excerpt, issue 21) — and nothing is dropped.
+func TestParallelFinalResultsStayVerbatim(t *testing.T) {
+	s := &session{tb: t, e: newDriver(baseConfig(), okSummarizer(), newClock()), win: 10000}
+	conv := agentSteps(12, 1000)
+	a, b := blob("a.go", 11500), blob("b.go", 11500) // ≈ 2900 tokens each
+	conv = append(conv, callMsg("", `ra:read:{"path":"a.go"}`, `rb:read:{"path":"b.go"}`), toolMsg("ra", a), toolMsg("rb", b))
+	msgs := parse(t, conv)
+	out := s.step(msgs)
+	checkView(t, msgs, out)
+	if out.Action == ActionNone {
+		t.Fatalf("no compaction at %d tokens (target %d, budget %d)", out.Context.Tokens, out.Target, out.Budget)
+	}
+	if out.Forwarded > out.Budget || slices.Contains(out.Events.NewActions, ActionDropped) {
+		t.Fatalf("forwarded %d of budget %d, actions %v", out.Forwarded, out.Budget, out.Events.NewActions)
+	}
+	if k := verbatimTail(msgs, out.Messages); k < 3 {
+		t.Fatalf("the final turn's results are not verbatim (%d trailing messages are): %s", k, roles(out.Messages))
 	}
 }
