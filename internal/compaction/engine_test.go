@@ -276,7 +276,7 @@ func TestHugeTail(t *testing.T) {
 
 func hugeTail(t *testing.T, sum *fakeSummarizer) {
 	s := &session{tb: t, e: newDriver(baseConfig(), sum, newClock()), win: 10000}
-	conv := agentSteps(12, 1000)
+	conv := agentSteps(3, 1000)
 	huge := blob("store.py", 28000) // ≈ 7000 tokens: over the target, under the budget
 	conv = append(conv, callMsg("", `cat:bash:{"cmd":"cat store.py"}`), toolMsg("cat", huge))
 	for step := 0; step < 4; step++ {
