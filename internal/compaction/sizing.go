@@ -54,7 +54,8 @@ const anchorMessageOverhead = anchor.MessageOverheadTokens
 
 // extendTail moves the cut back by whole turns (to earlier messages that
 // are not tool results) while the tail, estimated with the leading system
-// messages in front of it, stays within limit tokens beyond the fixed part.
+// messages and the ask it would re-insert in front of it, stays within
+// limit tokens beyond the fixed part.
 // The head keeps at least one message.
 func (r *run) extendTail(cut, headStart, fixed, limit int) int {
 	if limit <= 0 {
@@ -67,8 +68,15 @@ func (r *run) extendTail(cut, headStart, fixed, limit int) int {
 		}
 	}
 	fits := func(c int) bool {
-		v := make([]chat.Message, 0, r.lead+r.n-c)
+		v := make([]chat.Message, 0, r.lead+1+r.n-c)
 		v = append(v, r.msgs[:r.lead]...)
+		if a := r.askFor(c); a >= 0 {
+			// The ask is re-inserted after the summary when the cut
+			// leaves it in the head: it shares the tail's room (an
+			// agent's first message with its environment can be a
+			// third of a small room).
+			v = append(v, r.msgs[a])
+		}
 		v = append(v, r.msgs[c:]...)
 		return r.est(v)-fixed <= limit
 	}
