@@ -399,3 +399,45 @@ func TestAnthropicUpstreamKey(t *testing.T) {
 		t.Fatalf("%d: upstream got X-Api-Key %q, Authorization %q", resp.StatusCode, h.Get("X-Api-Key"), h.Get("Authorization"))
 	}
 }
+
+// TestDialectSummarizeCallShape: the summarize call continues the client's
+// own request in its dialect, without the fields that would shape or cut
+// the summary (llama-server's n_predict, Anthropic's thinking budget).
+func TestDialectSummarizeCallShape(t *testing.T) {
+	for _, d := range []chat.Dialect{chat.DialectResponses, chat.DialectMessages} {
+		up := newDialectUpstream(t, 4000)
+		cfg := testConfig(up.URL)
+		cfg.Upstream.ContextWindow = 4000
+		p := newTestProxy(t, cfg)
+		a := &dialectAgent{d: d}
+		a.start()
+		for step := 0; step < 12 && up.summaries.Load() == 0; step++ {
+			a.toolStep(1500)
+			body := strings.Replace(a.body(true), `"stream":true`, `"stream":true,"n_predict":16,"thinking":{"type":"enabled","budget_tokens":2000},"text":{"format":{"type":"json_object"}}`, 1)
+			readAll(t, p.post(t, "/v1/"+d.String(), body))
+		}
+		var sum []byte
+		for _, r := range up.requests() {
+			if !isAgentRequest(r.Body) {
+				sum = r.Body
+			}
+		}
+		if sum == nil {
+			t.Fatalf("%s: no summarize call", d)
+		}
+		gone := []string{`"n_predict"`, `"stream":true`}
+		if d == chat.DialectResponses {
+			gone = append(gone, `"text":{"format"`)
+		} else {
+			gone = append(gone, `"thinking":{"type":"enabled"`)
+		}
+		for _, k := range gone {
+			if bytes.Contains(sum, []byte(k)) {
+				t.Errorf("%s: the summarize call carries %s: %.300s", d, k, sum)
+			}
+		}
+		if !bytes.Contains(sum, []byte(`"stream":false`)) || !bytes.Contains(sum, []byte(`"tools"`)) {
+			t.Errorf("%s: the summarize call is not the client's request continued: %.300s", d, sum)
+		}
+	}
+}

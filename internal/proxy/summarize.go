@@ -256,17 +256,22 @@ func dialectBuilder(req *chat.Request) summarizer.Builder {
 	hasTools := req.HasField("tools") && !bytes.Equal(bytes.TrimSpace(req.FieldValue("tools")), []byte("[]"))
 	return func(msgs []chat.Message, maxTokens int) []byte {
 		limit := []byte(strconv.Itoa(maxTokens))
-		var set []chat.Field
+		// Servers' own length and format options win over the summary's
+		// limit (llama-server reads n_predict first), as in requestBuilder.
+		set := []chat.Field{{Key: "n_predict"}, {Key: "ignore_eos"}, {Key: "min_tokens"},
+			{Key: "grammar"}, {Key: "json_schema"}, {Key: "guided_json"}, {Key: "guided_regex"},
+			{Key: "guided_choice"}, {Key: "guided_grammar"}, {Key: "response_format"}}
 		if req.Dialect() == chat.DialectResponses {
-			set = []chat.Field{{Key: "stream", Value: []byte("false")}, {Key: "max_output_tokens", Value: limit},
-				{Key: "stream_options"}, {Key: "text"}, {Key: "parallel_tool_calls"}, {Key: "max_tool_calls"},
-				{Key: "background"}, {Key: "previous_response_id"}, {Key: "tool_choice"}}
+			set = append(set, chat.Field{Key: "stream", Value: []byte("false")}, chat.Field{Key: "max_output_tokens", Value: limit},
+				chat.Field{Key: "stream_options"}, chat.Field{Key: "text"}, chat.Field{Key: "parallel_tool_calls"},
+				chat.Field{Key: "max_tool_calls"}, chat.Field{Key: "background"}, chat.Field{Key: "previous_response_id"},
+				chat.Field{Key: "tool_choice"})
 			if hasTools {
 				set[len(set)-1].Value = []byte(`"none"`)
 			}
 		} else {
-			set = []chat.Field{{Key: "stream", Value: []byte("false")}, {Key: "max_tokens", Value: limit},
-				{Key: "thinking"}, {Key: "stop_sequences"}, {Key: "tool_choice"}}
+			set = append(set, chat.Field{Key: "stream", Value: []byte("false")}, chat.Field{Key: "max_tokens", Value: limit},
+				chat.Field{Key: "thinking"}, chat.Field{Key: "stop_sequences"}, chat.Field{Key: "tool_choice"})
 			if hasTools {
 				set[len(set)-1].Value = []byte(`{"type":"none"}`)
 			}
