@@ -88,6 +88,7 @@ func viewString(msgs []fwdMessage, latest string) string {
 
 // summarizeFigures is one summarize call.
 type summarizeFigures struct {
+	path           string // the endpoint it was sent to
 	seq, step      int
 	status         int
 	measured       int // /apply-template + /tokenize
@@ -158,6 +159,9 @@ type figures struct {
 	baseTokens     int // system prompt + first task, no tools
 	resultBytes    int
 	resultTokens   int
+	// otherCalls: the POSTs other than model calls that reached
+	// llama-server, by path (exact counters compactproxy may use).
+	otherCalls map[string]int
 }
 
 // afterSummary is the first forwarded view that carries a new summary.
@@ -300,8 +304,8 @@ func computeFigures(t *testing.T, cfg llamaConfig, ls *llamaServer, cs []clientS
 			if c.ProxyErr != "" {
 				r.attStatus += "(" + c.ProxyErr + ")"
 			}
-			var b fwdBody
-			if err := json.Unmarshal(c.Body, &b); err != nil {
+			b, err := chatForm(c.Path, c.Body)
+			if err != nil {
 				r.pairingIssue = "unparsable body"
 				continue
 			}
@@ -412,15 +416,14 @@ func computeFigures(t *testing.T, cfg llamaConfig, ls *llamaServer, cs []clientS
 		if c.Kind != "summarize" {
 			continue
 		}
-		var b fwdBody
-		json.Unmarshal(c.Body, &b)
-		s := summarizeFigures{seq: c.Seq, step: c.Step, status: c.Status, reported: parseReported(c.resp.Bytes()),
+		b, _ := chatForm(c.Path, c.Body)
+		s := summarizeFigures{path: c.Path, seq: c.Seq, step: c.Step, status: c.Status, reported: parseReported(c.resp.Bytes()),
 			maxTokens: max(b.MaxTokens, b.MaxCompletionTokens), messages: len(b.Messages), bytes: len(c.Body), hasTools: len(b.Tools) > 0,
 			dur: c.end.Sub(c.start)}
 		if n := len(b.Messages); n > 0 {
 			s.lastRoleIsUser = b.Messages[n-1].Role == "user"
 		}
-		n, err := ls.countTokens(c.Body)
+		n, err := ls.countBody(c.Path, c.Body)
 		if err != nil {
 			s.measureErr = err.Error()
 		}
@@ -546,7 +549,21 @@ func (f *figures) render() string {
 		acts = append(acts, fmt.Sprintf("%s=%d", k, v))
 	}
 	sort.Strings(acts)
-	w("upstream chat POSTs: %d forwarded (%d overflow retries), %d summarize", f.forwards, f.overflowRetries, f.summarizes)
+	api := "chat completions"
+	if f.cfg.dialect != "" {
+		api = dialectPath(f.cfg.dialect) + " through the official SDK (sdkclient.mjs)"
+	}
+	paths := map[string]int{}
+	for _, su := range f.sums {
+		paths[su.path]++
+	}
+	var others []string
+	for p, n := range f.otherCalls {
+		others = append(others, fmt.Sprintf("%s=%d", p, n))
+	}
+	sort.Strings(others)
+	w("client API: %s; upstream model POSTs: %d forwarded (%d overflow retries), %d summarize %v; other POSTs: %s",
+		api, f.forwards, f.overflowRetries, f.summarizes, paths, strings.Join(others, " "))
 	w("%-50s %-20s %s", "figure", "value", "goal")
 	row := func(name, value, goal string, ok bool) {
 		mark := "ok"
@@ -584,7 +601,7 @@ func (f *figures) render() string {
 	for k, v := range f.metrics {
 		if strings.Contains(k, "compactions_total") || strings.Contains(k, "summarize") || strings.Contains(k, "latch") ||
 			strings.Contains(k, "retries") || strings.Contains(k, "invariant") || strings.Contains(k, "unknown_window") ||
-			strings.Contains(k, "impossible") || strings.Contains(k, "errors_total") || strings.Contains(k, `route="chat"`) {
+			strings.Contains(k, "impossible") || strings.Contains(k, "errors_total") || strings.Contains(k, `route="`) {
 			if v != 0 {
 				ms = append(ms, fmt.Sprintf("%s %g", strings.TrimPrefix(k, "compactproxy_"), v))
 			}
@@ -808,7 +825,7 @@ const minAnchoredForBound = 5
 func (f *figures) cacheCeilingFigures(t *testing.T, ls *llamaServer, cs []clientStep, tools []json.RawMessage, final []message) {
 	t.Helper()
 	count := func(k int) (int, bool) {
-		n, err := ls.countTokens(requestBody(f.cfg.model(), final[:k], tools, requestShape{}))
+		n, err := ls.countClientView(f.cfg, final[:k], tools)
 		if err != nil {
 			t.Logf("cache ceiling: counting the client's view of %d messages: %v", k, err)
 			return 0, false
