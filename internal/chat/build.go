@@ -16,6 +16,9 @@ type buildItem struct {
 //
 // Every msgs[i].Raw must be a JSON object. The result is one allocation.
 func (r *Request) Build(msgs []Message, set []Field) []byte {
+	if r.src != nil {
+		return r.buildDialect(msgs, set)
+	}
 	var stack [24]buildItem
 	items := r.plan(stack[:0], set)
 
@@ -134,6 +137,9 @@ func quotedLen(s string) int {
 // a "ui_only" key, and msgs are exactly the parsed messages, with Raw still
 // pointing at their bytes in Body, in order. Then r.Body can be sent as is.
 func (r *Request) Unchanged(msgs []Message) bool {
+	if r.src != nil {
+		return r.unchangedDialect(msgs)
+	}
 	if r.UIOnlyRemoved > 0 || r.stripped || len(msgs) != r.Total || r.msgEnd <= r.msgStart {
 		return false
 	}

@@ -95,6 +95,9 @@ type Request struct {
 	// bytes are the snapshot's copy of the body's).
 	shared int
 	from   *Snapshot
+	// src maps a Responses or Messages body's messages back to its items
+	// (ParseDialect); nil for chat completions.
+	src *source
 }
 
 // msgPos is where one parsed message lies in the body: the start of its

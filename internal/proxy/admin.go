@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"encoding/json"
+	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
 	"net/http"
 	"regexp"
@@ -56,6 +57,19 @@ func (s *Server) handlePreview(w http.ResponseWriter, r *http.Request) {
 	}
 	for i, m := range out.Messages {
 		resp.Messages[i] = json.RawMessage(m.Raw)
+	}
+	if d := cr.dialect; d != chat.DialectChat {
+		// The view in the client's own dialect: the items (Responses) or
+		// messages (Messages) the request would carry.
+		var body map[string]json.RawMessage
+		key := "input"
+		if d == chat.DialectMessages {
+			key = "messages"
+		}
+		resp.Messages = nil
+		if json.Unmarshal(req.Build(out.Messages, nil), &body) == nil {
+			_ = json.Unmarshal(body[key], &resp.Messages)
+		}
 	}
 	cr.info.action = resp.Action
 	w.Header().Set("Content-Type", "application/json")

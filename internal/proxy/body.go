@@ -98,6 +98,9 @@ func (s *Server) answerBodyError(w http.ResponseWriter, r *http.Request, err err
 	// drain it before answering, without a deadline) nor parsed as the
 	// next request: this answer closes the connection.
 	w.Header().Set("Connection", "close")
+	writeError := func(w http.ResponseWriter, status int, typ, code, param, msg string) {
+		writeErrorIn(dialectOf(r), w, status, typ, code, param, msg)
+	}
 	switch {
 	case errors.Is(err, errBodyTooLarge):
 		writeError(w, http.StatusRequestEntityTooLarge, "invalid_request_error", "request_too_large", "",

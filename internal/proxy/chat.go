@@ -74,6 +74,10 @@ type (
 		status int
 		header http.Header
 		body   []byte
+		// failure is the error envelope of a Responses stream that failed
+		// before its answer began (response.failed in a 200): what
+		// recovery reads instead of body.
+		failure []byte
 	}
 )
 
@@ -86,6 +90,7 @@ func (e *upstreamAnswer) Error() string { return "upstream answered " + http.Sta
 // becomes an answer. cr is nil before the request was parsed.
 func (s *Server) answer(w http.ResponseWriter, r *http.Request, cr *chatRequest, err error) {
 	ri := infoFrom(r.Context())
+	d := dialectOf(r)
 	var (
 		ce *clientError
 		be bodyError
@@ -94,7 +99,7 @@ func (s *Server) answer(w http.ResponseWriter, r *http.Request, cr *chatRequest,
 	)
 	switch {
 	case errors.As(err, &ce):
-		writeError(w, ce.status, ce.typ, ce.code, ce.param, ce.detail)
+		writeErrorIn(d, w, ce.status, ce.typ, ce.code, ce.param, ce.detail)
 	case errors.As(err, &be):
 		s.answerBodyError(w, r, be.error)
 	case errors.As(err, &ua):
@@ -106,15 +111,16 @@ func (s *Server) answer(w http.ResponseWriter, r *http.Request, cr *chatRequest,
 	case errors.As(err, &ue):
 		s.log.Warn("upstream request failed", zap.String("request_id", ri.id),
 			zap.String("upstream", s.chatLogURL), zap.String("error_class", ue.failure.code))
-		writeUpstreamFailure(w, ue.failure)
+		writeErrorIn(d, w, ue.failure.status, "upstream_error", ue.failure.code, "", "compactproxy: "+ue.failure.text)
 	default:
-		writeError(w, http.StatusInternalServerError, "server_error", "", "", "compactproxy: internal error")
+		writeErrorIn(d, w, http.StatusInternalServerError, "server_error", "", "", "compactproxy: internal error")
 	}
 }
 
 // chatRequest is one client request on its way through the proxy: data
 // only, filled by the stages in order.
 type chatRequest struct {
+	dialect chat.Dialect // the API the client speaks (the route)
 	start   time.Time
 	reqID   string // the proxy's request id (logs, X-Request-Id)
 	req     *chat.Request
@@ -133,6 +139,13 @@ type chatRequest struct {
 	unchanged bool
 	// compact: compaction applies to this request (enabled, no bypass).
 	compact bool
+	// opaque: the upstream holds the history (a Responses request with
+	// previous_response_id): no pairing check, compaction or anchor, the
+	// body passes as it came.
+	opaque bool
+	// selfCompaction: the agent's own compaction request, forwarded whole
+	// while it fits the window (selfCompaction).
+	selfCompaction bool
 	// decision is the compaction decision forward carries (compactChat);
 	// decisionSpent the time that decision waited for a summary.
 	decision      compaction.Output
@@ -178,13 +191,28 @@ func (s *Server) readChat(w http.ResponseWriter, r *http.Request) (*chatRequest,
 		return nil, bodyError{err}
 	}
 	ps := parsed{tenant: tenantOf(s.tenantSecret, r.Header)}
-	ps.key = s.parses.key(ps.tenant, conversationHeader(r, s.cfg.Compaction.ConversationHeaders), pb.buf)
-	ps.from = s.parses.lookup(ps.key, pb.buf)
-	var snap *chat.Snapshot
-	if ps.from != nil {
-		snap = ps.from.snap
+	d := dialectOf(r)
+	var (
+		req    *chat.Request
+		reused int
+	)
+	if d == chat.DialectChat {
+		ps.key = s.parses.key(ps.tenant, conversationHeader(r, s.cfg.Compaction.ConversationHeaders), pb.buf)
+		ps.from = s.parses.lookup(ps.key, pb.buf)
+		var snap *chat.Snapshot
+		if ps.from != nil {
+			snap = ps.from.snap
+		}
+		req, reused, err = chat.ParseAfter(pb.buf, snap)
+	} else {
+		// A Responses or Messages body is mapped to the chat model; its
+		// items' bytes are its own (a background summary renders them
+		// after this request is over), so the pooled buffer goes back now.
+		own := bytes.Clone(pb.buf)
+		pb.release()
+		pb = nil
+		req, err = chat.ParseDialect(d, own)
 	}
-	req, reused, err := chat.ParseAfter(pb.buf, snap)
 	if err != nil {
 		pb.release()
 		var pe *chat.ParseError
@@ -203,6 +231,7 @@ func (s *Server) readChat(w http.ResponseWriter, r *http.Request) (*chatRequest,
 		s.metrics.UIOnlyRemoved.Add(float64(req.UIOnlyRemoved))
 	}
 	cr := &chatRequest{
+		dialect:     d,
 		start:       start,
 		reqID:       infoFrom(r.Context()).id,
 		req:         req,
@@ -216,6 +245,7 @@ func (s *Server) readChat(w http.ResponseWriter, r *http.Request) (*chatRequest,
 		respHeaders: http.Header{},
 	}
 	cr.respHeaders.Set("X-Compactproxy-Compaction", "none")
+	cr.opaque = d == chat.DialectResponses && req.HasField("previous_response_id")
 	return cr, nil
 }
 

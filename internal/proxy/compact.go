@@ -25,7 +25,8 @@ func (s *Server) identify(r *http.Request, cr *chatRequest) *conversation {
 	cr.info.conversation = cv.id
 	cr.respHeaders.Set("X-Compactproxy-Conversation-Id", cv.id)
 	bypass := strings.EqualFold(r.Header.Get("X-Compactproxy-Bypass"), "true")
-	cr.compact = s.cfg.Compaction.Enabled && !bypass
+	cr.compact = s.cfg.Compaction.Enabled && !bypass && !cr.opaque
+	cr.selfCompaction = selfCompaction(cr.client)
 	s.rememberParse(cr, cv)
 	return cv
 }
@@ -123,7 +124,11 @@ func (s *Server) recoverOnce(ctx context.Context, r *http.Request, cr *chatReque
 	if !errors.As(err, &ua) {
 		return false
 	}
-	info, ok := s.learnOverflow(cr, ua.status, ua.body)
+	status, body := ua.status, ua.body
+	if ua.failure != nil {
+		status, body = http.StatusBadRequest, ua.failure
+	}
+	info, ok := s.learnOverflow(cr, status, body)
 	if !ok || !cr.compact || s.planner == nil {
 		return false
 	}
@@ -154,7 +159,7 @@ func (s *Server) recoverOnce(ctx context.Context, r *http.Request, cr *chatReque
 // background summary when the next request would pass
 // compaction.presummarize_ratio.
 func (s *Server) record(ctx context.Context, r *http.Request, cr *chatRequest, cv *conversation, u anchor.Usage) {
-	if !u.HasInput {
+	if !u.HasInput || cr.opaque {
 		return
 	}
 	// A prompt the upstream accepted: no learned window goes below it.
@@ -195,6 +200,14 @@ func (s *Server) compact(ctx context.Context, r *http.Request, cr *chatRequest, 
 	}
 	if !o.enabled || s.planner == nil || window == 0 {
 		return estimateOnly(), 0
+	}
+	if cr.selfCompaction && o.pass == compaction.PassForward {
+		// The agent asks to summarize its history itself: it gets all of
+		// it while the whole request fits the window (DESIGN § Other
+		// APIs), else the compacted view like any request.
+		if out := estimateOnly(); out.Forwarded <= out.Budget {
+			return out, 0
+		}
 	}
 	chain, err := cv.recordChain(view)
 	if err != nil {

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
+	"github.com/compactproxy/compactproxy/internal/chat"
 	"go.uber.org/zap"
 )
 
@@ -30,7 +31,7 @@ const maxJSONBody = 256 << 20
 func (s *Server) send(ctx context.Context, cr *chatRequest) (*http.Response, error) {
 	ri := infoFrom(ctx)
 	if !cr.sent {
-		cr.inject = s.injectUsage(cr.req)
+		cr.inject = cr.dialect == chat.DialectChat && s.injectUsage(cr.req)
 	}
 	streamOptionsResend := false
 	for {
@@ -41,7 +42,7 @@ func (s *Server) send(ctx context.Context, cr *chatRequest) (*http.Response, err
 		}
 		upStart := time.Now()
 		resp, err := s.retrier.do(ctx, "chat", func() (*http.Request, error) {
-			req, err := http.NewRequest(http.MethodPost, s.chatURL, cr.pb.reader(body))
+			req, err := http.NewRequest(http.MethodPost, s.dialectURLs[cr.dialect], cr.pb.reader(body))
 			if err != nil {
 				return nil, err
 			}
@@ -72,6 +73,18 @@ func (s *Server) send(ctx context.Context, cr *chatRequest) (*http.Response, err
 				continue
 			}
 			return nil, &upstreamAnswer{status: resp.StatusCode, header: resp.Header, body: errBody}
+		}
+		if cr.dialect == chat.DialectResponses && isEventStream(resp.Header.Get("Content-Type")) {
+			// An overflow may come as response.failed inside a 200 stream:
+			// held until the answer has begun, it is an error answer like
+			// a 400, and recovery can still retry.
+			replay, failed, errBody := earlyFailure(resp.Body)
+			resp.Body = replay
+			if failed {
+				all, _ := io.ReadAll(replay)
+				ri.upstream = time.Since(upStart)
+				return nil, &upstreamAnswer{status: resp.StatusCode, header: resp.Header, body: all, failure: errBody}
+			}
 		}
 		if streamOptionsResend {
 			s.noStreamOptions.learn(s.modelIdentity(cr.req.Model))
@@ -123,14 +136,14 @@ func (s *Server) relay(w http.ResponseWriter, r *http.Request, cr *chatRequest, 
 		if f, ok := w.(http.Flusher); ok {
 			f.Flush()
 		}
-		err := relayEvents(w, resp.Body, cr.inject, record)
+		err := relayDialectEvents(w, resp.Body, &streamRules{d: cr.dialect}, cr.inject, record)
 		var broken streamBroken
 		switch {
 		case err == nil:
 		case r.Context().Err() != nil || errors.Is(err, errClientGone):
 			ri.status = 499
 		case errors.As(err, &broken):
-			s.abortStream(w, ri, classifyUpstream(broken.error))
+			s.abortStream(w, ri, cr.dialect, classifyUpstream(broken.error))
 		}
 		return
 	}
@@ -143,7 +156,7 @@ func (s *Server) relay(w http.ResponseWriter, r *http.Request, cr *chatRequest, 
 		f := classifyUpstream(err)
 		s.log.Warn("upstream body read failed", zap.String("request_id", ri.id),
 			zap.String("upstream", s.chatLogURL), zap.String("error_class", f.code))
-		writeError(w, http.StatusBadGateway, "upstream_error", f.code, "", "compactproxy: the upstream answer was cut off ("+f.text+")")
+		writeErrorIn(cr.dialect, w, http.StatusBadGateway, "upstream_error", f.code, "", "compactproxy: the upstream answer was cut off ("+f.text+")")
 		return
 	}
 	if u, ok := anchor.UsageFromJSON(body); ok {
@@ -155,10 +168,33 @@ func (s *Server) relay(w http.ResponseWriter, r *http.Request, cr *chatRequest, 
 
 // streamErrorEvent is the SSE event a client gets when the upstream broke
 // off a stream; the abort that follows makes the stream end uncleanly too.
-func streamErrorEvent(f upstreamFailure) []byte {
+func streamErrorEvent(d chat.Dialect, f upstreamFailure) []byte {
+	msg := "compactproxy: the upstream broke off the stream (" + f.text + ")"
+	switch d {
+	case chat.DialectResponses:
+		// The Responses stream's own error event.
+		body, _ := json.Marshal(struct {
+			Type    string `json:"type"`
+			Code    string `json:"code"`
+			Message string `json:"message"`
+		}{"error", f.code, msg})
+		return append(append([]byte("event: error\ndata: "), body...), '\n', '\n')
+	case chat.DialectMessages:
+		body, _ := json.Marshal(struct {
+			Type  string `json:"type"`
+			Error struct {
+				Type    string `json:"type"`
+				Message string `json:"message"`
+			} `json:"error"`
+		}{Type: "error", Error: struct {
+			Type    string `json:"type"`
+			Message string `json:"message"`
+		}{"api_error", msg}})
+		return append(append([]byte("event: error\ndata: "), body...), '\n', '\n')
+	}
 	body, _ := json.Marshal(struct {
 		Error apiError `json:"error"`
-	}{apiError{Message: "compactproxy: the upstream broke off the stream (" + f.text + ")", Type: "upstream_error", Code: &f.code}})
+	}{apiError{Message: msg, Type: "upstream_error", Code: &f.code}})
 	return append(append([]byte("data: "), body...), '\n', '\n')
 }
 
@@ -166,12 +202,12 @@ func streamErrorEvent(f upstreamFailure) []byte {
 // http.ErrAbortHandler, so the client sees an incomplete response rather
 // than a clean end with half an answer (httputil's Issue 23643; CRAFT
 // habit 15). The usage that arrived was already recorded by relayEvents.
-func (s *Server) abortStream(w http.ResponseWriter, ri *reqInfo, f upstreamFailure) {
+func (s *Server) abortStream(w http.ResponseWriter, ri *reqInfo, d chat.Dialect, f upstreamFailure) {
 	s.metrics.StreamAborts.Inc()
 	s.log.Warn("upstream stream broken off", zap.String("request_id", ri.id),
 		zap.String("upstream", s.chatLogURL), zap.String("error_class", f.code))
 	ri.aborted = true
-	if _, err := w.Write(streamErrorEvent(f)); err == nil {
+	if _, err := w.Write(streamErrorEvent(d, f)); err == nil {
 		if fl, ok := w.(http.Flusher); ok {
 			fl.Flush()
 		}

@@ -21,6 +21,9 @@ func (s *Server) pair(r *http.Request, cr *chatRequest) error {
 	ci := cr.info
 	mode := s.cfg.Pairing.Mode
 	msgs := cr.forward
+	if cr.opaque {
+		return nil // the turn's calls are in the upstream's stored response
+	}
 	if e := cr.parsed.from; e != nil && e.pairingClean && cr.parsed.reused == len(msgs) && e.snap.Len() == len(msgs) && sameView(msgs, cr.req.Messages) {
 		cr.pairingClean = true
 		return nil
@@ -51,13 +54,18 @@ func (s *Server) pair(r *http.Request, cr *chatRequest) error {
 	}
 	v := vs[0]
 	idx := v.Index
+	param := fmt.Sprintf("messages[%d]", idx)
 	if idx >= 0 && idx < len(msgs) {
 		idx = msgs[idx].Index
+		param = fmt.Sprintf("messages[%d]", idx)
+		if cr.dialect != chat.DialectChat {
+			param = cr.req.Param(idx) // the client's item, not the chat message
+		}
 	}
 	ci.pairing = "rejected"
 	s.log.Info("pairing violation", zap.String("request_id", ri.id), zap.Strings("kinds", kinds))
 	return &clientError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "invalid_tool_pairing",
-		param: fmt.Sprintf("messages[%d]", idx), detail: v.Describe(idx)}
+		param: param, detail: describePairing(cr.dialect, v, param, idx)}
 }
 
 // applyRemovals applies pairing.Repair's removals to the chat messages:

@@ -484,7 +484,11 @@ func TestPassThroughPaths(t *testing.T) {
 	cases := []struct{ method, path, want string }{
 		{"GET", "/v1/models", "path=/v1/models"},
 		{"POST", "/v1/embeddings", "path=/v1/embeddings"},
-		{"POST", "/v1/responses", "path=/v1/responses"},
+		// Compacted: POST /v1/responses and /v1/messages; their other
+		// paths pass through.
+		{"GET", "/v1/responses/resp_1", "path=/v1/responses/resp_1"},
+		{"POST", "/v1/responses/compact", "path=/v1/responses/compact"},
+		{"POST", "/v1/messages/count_tokens", "path=/v1/messages/count_tokens"},
 		{"GET", "/props", "path=/props"},
 		{"POST", "/tokenize", "path=/tokenize"},
 		{"GET", "/slots", "path=/slots"},

@@ -9,6 +9,7 @@ import (
 	"net/http"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
+	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
 	"github.com/compactproxy/compactproxy/internal/config"
 	"github.com/compactproxy/compactproxy/internal/metrics"
@@ -27,13 +28,16 @@ const digestCacheEntries = 200000
 // Server is the proxy. Build it with New, serve Handler, call Start to begin
 // background work (context-window discovery) and Close when done.
 type Server struct {
-	cfg          config.Config
-	log          *zap.Logger
-	metrics      *metrics.Metrics
-	handler      http.Handler
-	up           upstreamURLs
-	chatURL      string
-	chatLogURL   string // chatURL as logs may show it (scheme, host, path)
+	cfg        config.Config
+	log        *zap.Logger
+	metrics    *metrics.Metrics
+	handler    http.Handler
+	up         upstreamURLs
+	chatURL    string
+	chatLogURL string // chatURL as logs may show it (scheme, host, path)
+	// dialectURLs are the upstream URLs of the compacted routes, by
+	// chat.Dialect (chat completions, responses, messages).
+	dialectURLs  [3]string
 	transport    *http.Transport
 	retrier      *retrier
 	auth         *clientAuth
@@ -81,6 +85,9 @@ func New(cfg config.Config, log *zap.Logger, reg *prometheus.Registry) (*Server,
 		noStreamOptions: newStreamOptionsMemo(cfg.Upstream.DiscoveryInterval),
 		transport:       newTransport(),
 	}
+	for d := range s.dialectURLs {
+		s.dialectURLs[d] = join(up.base, upstreamPath(chat.Dialect(d))).String()
+	}
 	s.retrier = &retrier{policy: cfg.Retry, rt: s.transport, metrics: s.metrics}
 	s.auth = &clientAuth{required: cfg.Upstream.APIKey != "", allowAnonymous: cfg.Auth.AllowAnonymous}
 	for _, k := range cfg.Auth.ClientKeys {
@@ -125,6 +132,11 @@ func (s *Server) routes(reg *prometheus.Registry) http.Handler {
 		return observe(route, s.log.Named("access"), s.metrics, h)
 	}
 	r.Method(http.MethodPost, "/v1/chat/completions", wrap("chat", s.handleChat))
+	// The Responses API and Anthropic Messages go through the same
+	// pipeline (DESIGN § Other APIs); their other paths (a stored
+	// response, count_tokens, /v1/responses/compact) pass through.
+	r.Method(http.MethodPost, "/v1/responses", wrap("responses", s.handleChat))
+	r.Method(http.MethodPost, "/v1/messages", wrap("messages", s.handleChat))
 	r.Method(http.MethodPost, "/v1/compactproxy/preview", wrap("preview", s.handlePreview))
 	r.Method(http.MethodDelete, "/v1/compactproxy/conversations/{id}", wrap("admin", s.handleForget))
 	r.Method(http.MethodGet, "/healthz", wrap("health", s.handleHealthz))

@@ -11,6 +11,7 @@ import (
 	"net/http"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
+	"github.com/compactproxy/compactproxy/internal/chat"
 )
 
 // readerPool recycles the stream readers: one per streamed response would
@@ -224,6 +225,14 @@ var errEndedEarly = fmt.Errorf("proxy: upstream stream ended early: %w", io.ErrU
 // stream ([DONE]) is written, so the client's next request sees the anchor.
 // With hideUsage, the usage-only chunk the proxy asked for is not relayed.
 func relayEvents(w io.Writer, body io.Reader, hideUsage bool, onUsage func(anchor.Usage)) error {
+	return relayDialectEvents(w, body, &streamRules{d: chat.DialectChat}, hideUsage, onUsage)
+}
+
+// relayDialectEvents is relayEvents for a dialect's stream: sr says where
+// its usage is and which event ends it (a Responses stream ends with
+// response.completed, a Messages stream with message_stop; usage is
+// reported before that event is written).
+func relayDialectEvents(w io.Writer, body io.Reader, sr *streamRules, hideUsage bool, onUsage func(anchor.Usage)) error {
 	br, ok := readerPool.get(0)
 	if !ok {
 		br = bufio.NewReaderSize(nil, streamReaderSize)
@@ -251,6 +260,16 @@ func relayEvents(w io.Writer, body io.Reader, hideUsage bool, onUsage func(ancho
 		data := eventData(ev)
 		skip := false
 		switch {
+		case sr.d != chat.DialectChat:
+			if len(data) > 0 && bytes.Contains(data, usageKey) {
+				if u, ok := sr.usage(data, last); ok {
+					last, have = u, true
+				}
+			}
+			if !complete && sr.ends(data) {
+				complete = true
+				report()
+			}
 		case bytes.Equal(data, doneData):
 			complete = true
 			report()
@@ -271,7 +290,7 @@ func relayEvents(w io.Writer, body io.Reader, hideUsage bool, onUsage func(ancho
 				}
 			}
 		}
-		if !complete && bytes.Contains(data, finishReasonKey) && finished(data) {
+		if !complete && sr.d == chat.DialectChat && bytes.Contains(data, finishReasonKey) && finished(data) {
 			complete = true
 		}
 		if skip {

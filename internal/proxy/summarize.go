@@ -225,10 +225,52 @@ func (s *Server) summaryCall(h http.Header, req *chat.Request) summarizer.Call {
 			}
 		}
 	}
+	if d := req.Dialect(); d != chat.DialectChat && s.summarizerIsUpstream {
+		// The upstream speaks the client's dialect (it may speak no other:
+		// Anthropic): the summarize call does too.
+		call.Dialect = d.String()
+		for _, k := range []string{"Anthropic-Version", "Anthropic-Beta"} {
+			if v := h.Values(k); len(v) > 0 {
+				if call.Headers == nil {
+					call.Headers = http.Header{}
+				}
+				call.Headers[k] = append([]string(nil), v...)
+			}
+		}
+	}
 	if s.summaryInUpstreamTokens(req.Model) {
 		call.Build = s.requestBuilder(req)
 	}
 	return call
+}
+
+// dialectBuilder is requestBuilder for a Responses or Messages request: the
+// client's request itself continued (its items' bytes are its own, so the
+// builder may run after the request is over), not streamed, with the
+// summary's own limit, no tool call, and without the options that would
+// shape or cut the summary (Anthropic's extended thinking: its budget must
+// stay under max_tokens).
+func dialectBuilder(req *chat.Request) summarizer.Builder {
+	hasTools := req.HasField("tools")
+	return func(msgs []chat.Message, maxTokens int) []byte {
+		limit := []byte(strconv.Itoa(maxTokens))
+		var set []chat.Field
+		if req.Dialect() == chat.DialectResponses {
+			set = []chat.Field{{Key: "stream", Value: []byte("false")}, {Key: "max_output_tokens", Value: limit},
+				{Key: "stream_options"}, {Key: "text"}, {Key: "parallel_tool_calls"}, {Key: "max_tool_calls"},
+				{Key: "background"}, {Key: "previous_response_id"}, {Key: "tool_choice"}}
+			if hasTools {
+				set[len(set)-1].Value = []byte(`"none"`)
+			}
+		} else {
+			set = []chat.Field{{Key: "stream", Value: []byte("false")}, {Key: "max_tokens", Value: limit},
+				{Key: "thinking"}, {Key: "stop_sequences"}, {Key: "tool_choice"}}
+			if hasTools {
+				set[len(set)-1].Value = []byte(`{"type":"none"}`)
+			}
+		}
+		return req.Build(msgs, set)
+	}
 }
 
 // requestBuilder writes the summarize request as a continuation of the
@@ -240,6 +282,9 @@ func (s *Server) summaryCall(h http.Header, req *chat.Request) summarizer.Call {
 // format fields), and the summary's own token limit. It keeps its own copy
 // of the top-level fields (the messages array is replaced anyway).
 func (s *Server) requestBuilder(req *chat.Request) summarizer.Builder {
+	if req.Dialect() != chat.DialectChat {
+		return dialectBuilder(req)
+	}
 	own := &chat.Request{Fields: make([]chat.Field, 0, len(req.Fields))}
 	hasTools := false
 	for _, f := range req.Fields {

@@ -126,6 +126,15 @@ type Call struct {
 	// OnUsage, when set, receives the usage every answer reports
 	// (summarize_input_tokens_total).
 	OnUsage func(anchor.Usage)
+	// Dialect is the API the call speaks: "" for chat completions,
+	// "responses" (POST …/responses) or "messages" (Anthropic, POST
+	// …/messages). The proxy sets it when the summarizer is the upstream
+	// and the client spoke that dialect: the summarize call is then in the
+	// upstream's own dialect, and Build writes its body.
+	Dialect string
+	// Headers are the client's headers the dialect needs besides its
+	// credentials (Anthropic-Version, Anthropic-Beta).
+	Headers http.Header
 }
 
 // Builder writes a chat request body that continues the client's own
@@ -375,19 +384,31 @@ func (c *Client) call(ctx context.Context, call *Call, model, previous, transcri
 	user.WriteString(transcript)
 	user.WriteString("</transcript>")
 
-	req := openai.ChatCompletionRequest{
-		Model: model,
-		Messages: []openai.ChatCompletionMessage{
-			{Role: openai.ChatMessageRoleSystem, Content: prompt},
-			{Role: openai.ChatMessageRoleUser, Content: user.String()},
-		},
+	var body []byte
+	var err error
+	switch call.Dialect {
+	case "responses":
+		body, err = json.Marshal(map[string]any{"model": model, "instructions": prompt, "store": false,
+			"input":             []map[string]any{{"type": "message", "role": "user", "content": user.String()}},
+			"max_output_tokens": maxTokens})
+	case "messages":
+		body, err = json.Marshal(map[string]any{"model": model, "system": prompt, "max_tokens": maxTokens,
+			"messages": []map[string]any{{"role": "user", "content": user.String()}}})
+	default:
+		req := openai.ChatCompletionRequest{
+			Model: model,
+			Messages: []openai.ChatCompletionMessage{
+				{Role: openai.ChatMessageRoleSystem, Content: prompt},
+				{Role: openai.ChatMessageRoleUser, Content: user.String()},
+			},
+		}
+		if c.opt.Dialect == "openai" {
+			req.MaxCompletionTokens = maxTokens
+		} else {
+			req.MaxTokens = maxTokens
+		}
+		body, err = json.Marshal(req)
 	}
-	if c.opt.Dialect == "openai" {
-		req.MaxCompletionTokens = maxTokens
-	} else {
-		req.MaxTokens = maxTokens
-	}
-	body, err := json.Marshal(req)
 	if err != nil {
 		return "", fmt.Errorf("summarizer: encode: %w", err)
 	}
@@ -402,7 +423,14 @@ func (c *Client) post(ctx context.Context, call *Call, body []byte) (string, err
 		ctx, cancel = context.WithTimeout(ctx, c.opt.Timeout)
 		defer cancel()
 	}
-	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, c.opt.URL+"/chat/completions", bytes.NewReader(body))
+	path := "/chat/completions"
+	switch call.Dialect {
+	case "responses":
+		path = "/responses"
+	case "messages":
+		path = "/messages"
+	}
+	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, c.opt.URL+path, bytes.NewReader(body))
 	if err != nil {
 		return "", fmt.Errorf("summarizer: request: %w", err)
 	}
@@ -417,6 +445,9 @@ func (c *Client) post(ctx context.Context, call *Call, body []byte) (string, err
 			}
 		}
 	}
+	for k, v := range call.Headers {
+		hr.Header[k] = append([]string(nil), v...)
+	}
 	resp, err := c.rt.RoundTrip(hr)
 	if err != nil {
 		return "", fmt.Errorf("summarizer: call: %w", err)
@@ -429,14 +460,17 @@ func (c *Client) post(ctx context.Context, call *Call, body []byte) (string, err
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
 		return "", &StatusError{StatusCode: resp.StatusCode, Message: errorMessage(data)}
 	}
-	var out openai.ChatCompletionResponse
-	if err := json.Unmarshal(data, &out); err != nil {
-		return "", fmt.Errorf("%w: %v", ErrBadResponse, err)
-	}
 	if call.OnUsage != nil {
 		if u, ok := anchor.UsageFromJSON(data); ok {
 			call.OnUsage(u)
 		}
+	}
+	if call.Dialect != "" {
+		return dialectText(call.Dialect, data)
+	}
+	var out openai.ChatCompletionResponse
+	if err := json.Unmarshal(data, &out); err != nil {
+		return "", fmt.Errorf("%w: %v", ErrBadResponse, err)
 	}
 	if len(out.Choices) == 0 {
 		return "", fmt.Errorf("%w: no choices", ErrBadResponse)
@@ -525,4 +559,51 @@ func arguments(raw json.RawMessage) string {
 		return s
 	}
 	return string(raw)
+}
+
+// dialectText is the text of a Responses answer (its output message items'
+// output_text parts) or a Messages answer (its text blocks).
+func dialectText(dialect string, data []byte) (string, error) {
+	var out struct {
+		Output []struct {
+			Type    string `json:"type"`
+			Content []struct {
+				Type string `json:"type"`
+				Text string `json:"text"`
+			} `json:"content"`
+		} `json:"output"`
+		Content []struct {
+			Type string `json:"type"`
+			Text string `json:"text"`
+		} `json:"content"`
+		Status     string `json:"status"`
+		StopReason string `json:"stop_reason"`
+	}
+	if err := json.Unmarshal(data, &out); err != nil {
+		return "", fmt.Errorf("%w: %v", ErrBadResponse, err)
+	}
+	var sb strings.Builder
+	if dialect == "responses" {
+		for _, it := range out.Output {
+			if it.Type != "message" {
+				continue
+			}
+			for _, p := range it.Content {
+				if p.Type == "output_text" {
+					sb.WriteString(p.Text)
+				}
+			}
+		}
+	} else {
+		for _, b := range out.Content {
+			if b.Type == "text" {
+				sb.WriteString(b.Text)
+			}
+		}
+	}
+	text := strings.TrimSpace(sb.String())
+	if text == "" {
+		return "", fmt.Errorf("%w (status %q%s)", ErrEmptySummary, out.Status, out.StopReason)
+	}
+	return text, nil
 }
