@@ -143,7 +143,8 @@ func responsesInput(msgs []message) []any {
 
 // messagesHistory is the scripted history (after its system prompt, which
 // goes in `system`) as Anthropic messages, the way Claude Code sends them:
-// a thinking block (with a signature) before each turn's tool_use blocks,
+// content as blocks (the task too), a thinking block (with a signature)
+// before each turn's tool_use blocks,
 // the tool results of a turn as tool_result blocks of one user message
 // (string content, or text blocks for content-part results), and Claude
 // Code's moving cache marker: cache_control on the last block of the last
@@ -152,16 +153,11 @@ func messagesHistory(msgs []message) []any {
 	type msg struct {
 		role   string
 		blocks []any
-		text   string // a plain string content (no blocks)
 	}
 	var out []*msg
 	addUser := func(blocks ...any) {
 		if n := len(out); n > 0 && out[n-1].role == "user" {
-			last := out[n-1]
-			if last.blocks == nil {
-				last.blocks = []any{map[string]any{"type": "text", "text": last.text}}
-			}
-			last.blocks = append(last.blocks, blocks...)
+			out[n-1].blocks = append(out[n-1].blocks, blocks...)
 			return
 		}
 		out = append(out, &msg{role: "user", blocks: blocks})
@@ -170,12 +166,7 @@ func messagesHistory(msgs []message) []any {
 		switch m.Role {
 		case "system":
 		case "user":
-			s := contentText(m.Content)
-			if n := len(out); s == firstTask && n == 0 {
-				out = append(out, &msg{role: "user", text: s})
-				continue
-			}
-			addUser(map[string]any{"type": "text", "text": s})
+			addUser(map[string]any{"type": "text", "text": contentText(m.Content)})
 		case "assistant":
 			if len(m.ToolCalls) == 0 {
 				out = append(out, &msg{role: "assistant", blocks: []any{map[string]any{"type": "text", "text": contentText(m.Content)}}})
@@ -206,9 +197,6 @@ func messagesHistory(msgs []message) []any {
 	res := make([]any, len(out))
 	for i, m := range out {
 		if i == len(out)-1 {
-			if m.blocks == nil {
-				m.blocks = []any{map[string]any{"type": "text", "text": m.text}}
-			}
 			last := m.blocks[len(m.blocks)-1].(map[string]any)
 			marked := map[string]any{"cache_control": map[string]any{"type": "ephemeral"}}
 			for k, v := range last {
@@ -216,11 +204,7 @@ func messagesHistory(msgs []message) []any {
 			}
 			m.blocks = append(append([]any{}, m.blocks[:len(m.blocks)-1]...), marked)
 		}
-		if m.blocks == nil {
-			res[i] = map[string]any{"role": m.role, "content": m.text}
-		} else {
-			res[i] = map[string]any{"role": m.role, "content": m.blocks}
-		}
+		res[i] = map[string]any{"role": m.role, "content": m.blocks}
 	}
 	return res
 }

@@ -89,6 +89,7 @@ func viewString(msgs []fwdMessage, latest string) string {
 // summarizeFigures is one summarize call.
 type summarizeFigures struct {
 	path           string // the endpoint it was sent to
+	fields         string // its top-level fields other than the history, for a failure's log
 	seq, step      int
 	status         int
 	measured       int // /apply-template + /tokenize
@@ -417,7 +418,7 @@ func computeFigures(t *testing.T, cfg llamaConfig, ls *llamaServer, cs []clientS
 			continue
 		}
 		b, _ := chatForm(c.Path, c.Body)
-		s := summarizeFigures{path: c.Path, seq: c.Seq, step: c.Step, status: c.Status, reported: parseReported(c.resp.Bytes()),
+		s := summarizeFigures{path: c.Path, fields: topLevelFields(c.Body), seq: c.Seq, step: c.Step, status: c.Status, reported: parseReported(c.resp.Bytes()),
 			maxTokens: max(b.MaxTokens, b.MaxCompletionTokens), messages: len(b.Messages), bytes: len(c.Body), hasTools: len(b.Tools) > 0,
 			dur: c.end.Sub(c.start)}
 		if n := len(b.Messages); n > 0 {
@@ -441,6 +442,7 @@ func computeFigures(t *testing.T, cfg llamaConfig, ls *llamaServer, cs []clientS
 			sumCachedS += max(s.reported.CachedTokens, 0)
 		}
 		f.sums = append(f.sums, s)
+
 		if n := len(f.summarizeSteps); n == 0 || f.summarizeSteps[n-1] != c.Step {
 			f.summarizeSteps = append(f.summarizeSteps, c.Step)
 		}
@@ -736,6 +738,57 @@ func (f *figures) assertGoals(t *testing.T) {
 	if len(f.finalMoved) > 0 {
 		t.Errorf("the client's final message stays final in the forwarded view; not at steps %s", ints(f.finalMoved))
 	}
+	f.assertSummaryLength(t)
+}
+
+// assertSummaryLength: neither real-tokenizer model ever stops early, so
+// a summarize call answered 200 generates the tokens it asked for unless
+// the window ends first; fewer means a field of the client's that caps
+// generation (llama-server's n_predict wins over max_tokens and
+// max_output_tokens) reached the summarize request. Held for the
+// Responses and Messages loops (issue 21), whose clients send their own
+// n_predict as the chat loop's does.
+func (f *figures) assertSummaryLength(t *testing.T) {
+	t.Helper()
+	if f.cfg.dialect == "" || f.cfg.real == "" {
+		return
+	}
+	for _, s := range f.sums {
+		if s.status != 200 || s.reported.Completion <= 0 || s.reported.Completion >= s.maxTokens {
+			continue
+		}
+		if s.measured > 0 && s.measured+s.reported.Completion >= f.nCtx {
+			continue
+		}
+		t.Errorf("summarize call %d (step %d, %s) generated %d of the %d tokens it asked for: a client field that caps generation reached it; its fields: %s",
+			s.seq, s.step, s.path, s.reported.Completion, s.maxTokens, s.fields)
+	}
+}
+
+// topLevelFields is a request body's top-level fields, the history
+// (messages, input) shortened to its length and the rest cut at 80 bytes.
+func topLevelFields(body []byte) string {
+	var m map[string]json.RawMessage
+	if json.Unmarshal(body, &m) != nil {
+		return "(unparsable)"
+	}
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	var b strings.Builder
+	for _, k := range keys {
+		v := string(m[k])
+		switch {
+		case k == "messages" || k == "input" || k == "tools":
+			v = fmt.Sprintf("(%d bytes)", len(v))
+		case len(v) > 80:
+			v = v[:80] + "..."
+		}
+		fmt.Fprintf(&b, "%s=%s ", k, v)
+	}
+	return strings.TrimSpace(b.String())
 }
 
 // largeSummaryBound is the regression bound on summarize calls of a
