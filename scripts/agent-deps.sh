@@ -2,9 +2,17 @@
 # Installs the real-agent end-to-end test's npm dependencies into
 # test/agent/node_modules, pinned with everything they pull in by
 # test/agent/package-lock.json: the pi coding agent CLI
-# (@mariozechner/pi-coding-agent) and opencode's CLI binary
-# (opencode-linux-x64, an optional dependency: other platforms get pi only,
-# and the test skips opencode there).
+# (@mariozechner/pi-coding-agent) and the linux-x64 binaries of opencode
+# (opencode-linux-x64), Codex CLI (@openai/codex-linux-x64, an alias of
+# @openai/codex@0.169.0-linux-x64) and Claude Code
+# (@anthropic-ai/claude-code-linux-x64), optional dependencies: other
+# platforms get pi only, and the test skips the other agents there.
+#
+# Codex and Claude Code, like opencode, are native binaries whose npm
+# wrappers (@openai/codex's bin/codex.js, @anthropic-ai/claude-code's
+# postinstall) only exec or copy the platform package's binary, so
+# package.json names the platform packages themselves and the test runs
+# their binaries.
 #
 # opencode: the opencode-ai package is only a wrapper whose postinstall copies
 # the platform binary out of one of its optional dependencies, falling back to

@@ -194,6 +194,9 @@ func (r *Request) field(key string) []byte {
 	return nil
 }
 
+// FieldValue is the raw value of the top-level key, nil when absent.
+func (r *Request) FieldValue(key string) []byte { return r.field(key) }
+
 // HasField tells whether the body has the top-level key with a value other
 // than null.
 func (r *Request) HasField(key string) bool {

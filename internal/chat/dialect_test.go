@@ -3,6 +3,7 @@ package chat
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"strings"
 	"testing"
 )
@@ -220,4 +221,45 @@ func TestMessagesDigestIgnoresCacheControl(t *testing.T) {
 	if got := ra.Build(ra.Messages, nil); string(got) != a {
 		t.Errorf("the marker is not forwarded as sent: %s", got)
 	}
+}
+
+// FuzzParseDialect: any body either fails to parse with a ParseError or
+// maps to messages whose rendering — as parsed, with a prefix cut off and
+// with a summary in front — is valid JSON that parses again.
+func FuzzParseDialect(f *testing.F) {
+	f.Add(uint8(1), responsesBody)
+	f.Add(uint8(2), messagesBody)
+	f.Add(uint8(1), `{"input":"x","instructions":null}`)
+	f.Add(uint8(2), `{"system":"s","messages":[{"role":"user","content":[]}]}`)
+	f.Fuzz(func(t *testing.T, which uint8, body string) {
+		d := DialectResponses
+		if which%2 == 0 {
+			d = DialectMessages
+		}
+		r, err := ParseDialect(d, []byte(body))
+		if err != nil {
+			var pe *ParseError
+			if !errors.As(err, &pe) {
+				t.Fatalf("not a ParseError: %v", err)
+			}
+			return
+		}
+		views := [][]Message{r.Messages}
+		if n := len(r.Messages); n > 1 {
+			cut := append([]Message{NewTextMessage("user", "S")}, r.Messages[n/2:]...)
+			views = append(views, cut)
+			edited := append([]Message(nil), r.Messages...)
+			edited[n-1] = WithContentText(edited[n-1], "edited")
+			views = append(views, edited)
+		}
+		for _, v := range views {
+			out := r.Build(v, nil)
+			if !json.Valid(out) {
+				t.Fatalf("invalid JSON rendered: %s", out)
+			}
+			if _, err := ParseDialect(d, out); err != nil {
+				t.Fatalf("rendered body does not parse: %v\n%s", err, out)
+			}
+		}
+	})
 }

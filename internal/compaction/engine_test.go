@@ -830,3 +830,27 @@ func TestSummaryReplacesTrims(t *testing.T) {
 		t.Fatalf("trims %v forwarded %d", out.State.Trims, out.Forwarded)
 	}
 }
+
+// (d2) A final turn of parallel reads larger than the target: its results
+// are the files the model is working on. While the view is within the
+// budget none of them is excerpted — not to reach the target, not to make
+// the summary room (Claude Code's parallel Read pair lost its first file
+// to an excerpt, issue 21) — and nothing is dropped.
+func TestParallelFinalResultsStayVerbatim(t *testing.T) {
+	s := &session{tb: t, e: newDriver(baseConfig(), okSummarizer(), newClock()), win: 10000}
+	conv := agentSteps(12, 1000)
+	a, b := blob("a.go", 11500), blob("b.go", 11500) // ≈ 2900 tokens each
+	conv = append(conv, callMsg("", `ra:read:{"path":"a.go"}`, `rb:read:{"path":"b.go"}`), toolMsg("ra", a), toolMsg("rb", b))
+	msgs := parse(t, conv)
+	out := s.step(msgs)
+	checkView(t, msgs, out)
+	if out.Action == ActionNone {
+		t.Fatalf("no compaction at %d tokens (target %d, budget %d)", out.Context.Tokens, out.Target, out.Budget)
+	}
+	if out.Forwarded > out.Budget || slices.Contains(out.Events.NewActions, ActionDropped) {
+		t.Fatalf("forwarded %d of budget %d, actions %v", out.Forwarded, out.Budget, out.Events.NewActions)
+	}
+	if k := verbatimTail(msgs, out.Messages); k < 3 {
+		t.Fatalf("the final turn's results are not verbatim (%d trailing messages are): %s", k, roles(out.Messages))
+	}
+}

@@ -504,12 +504,12 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 	}
 
 	// 4. Still over: excerpt the oldest long tool results after the
-	// summary (never the final message; not while the progress guard holds
-	// a view within the budget), then drop whole turns when over the
-	// budget.
+	// summary (never the final turn's results: the files the model is
+	// holding; not while the progress guard holds a view within the
+	// budget), then drop whole turns when over the budget.
 	if cur >= target && !r.guarded {
 		start := p.headStart(r.lead)
-		if cands := r.trimCandidates(*p, start, r.n-1, r.long()); len(cands) > 0 {
+		if cands := r.trimCandidates(*p, start, r.finalResults(), r.long()); len(cands) > 0 {
 			cur, _ = r.applyTrims(p, cands, r.keep, target)
 		}
 	}

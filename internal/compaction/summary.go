@@ -130,7 +130,7 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 		if room < cfg.minRoom() {
 			// Excerpt the tail's oldest long tool results (never the final
 			// message) and measure again; then accept the budget.
-			if cands := r.trimCandidates(base, cut, r.n-1, 0); len(cands) > 0 {
+			if cands := r.trimCandidates(base, cut, r.finalResults(), 0); len(cands) > 0 {
 				r.applyTrims(&base, cands, tightKeep, target-cfg.minRoom())
 				room = target - r.est(r.view(base))
 			}

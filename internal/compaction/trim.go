@@ -57,3 +57,17 @@ func (r *run) applyTrims(p *plan, cands []int, keep, target int) (int, bool) {
 	*p = p.withTrims(cands[:hi], keep)
 	return hiEst, true
 }
+
+// finalResults is where the final turn's tool results begin: the first of
+// the tool messages that end the view (a parallel read answers with
+// several), else the final message. Excerpting to reach the target, or to
+// make a summary room, stops before them: they are what the model is
+// working on. Only a view over the budget excerpts them, before a drop
+// (overBudget).
+func (r *run) finalResults() int {
+	i := r.n - 1
+	for i > r.lead && i > 0 && r.msgs[i-1].Role == "tool" && r.msgs[i].Role == "tool" {
+		i--
+	}
+	return max(i, 0)
+}

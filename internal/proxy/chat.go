@@ -110,7 +110,7 @@ func (s *Server) answer(w http.ResponseWriter, r *http.Request, cr *chatRequest,
 		ri.status = 499
 	case errors.As(err, &ue):
 		s.log.Warn("upstream request failed", zap.String("request_id", ri.id),
-			zap.String("upstream", s.chatLogURL), zap.String("error_class", ue.failure.code))
+			zap.String("upstream", s.dialectLogURLs[d]), zap.String("error_class", ue.failure.code))
 		writeErrorIn(d, w, ue.failure.status, "upstream_error", ue.failure.code, "", "compactproxy: "+ue.failure.text)
 	default:
 		writeErrorIn(d, w, http.StatusInternalServerError, "server_error", "", "", "compactproxy: internal error")
@@ -121,6 +121,9 @@ func (s *Server) answer(w http.ResponseWriter, r *http.Request, cr *chatRequest,
 // only, filled by the stages in order.
 type chatRequest struct {
 	dialect chat.Dialect // the API the client speaks (the route)
+	// query is the client's query string, forwarded with the request
+	// (Claude Code's ?beta=true, Azure's ?api-version=).
+	query   string
 	start   time.Time
 	reqID   string // the proxy's request id (logs, X-Request-Id)
 	req     *chat.Request
@@ -232,6 +235,7 @@ func (s *Server) readChat(w http.ResponseWriter, r *http.Request) (*chatRequest,
 	}
 	cr := &chatRequest{
 		dialect:     d,
+		query:       r.URL.RawQuery,
 		start:       start,
 		reqID:       infoFrom(r.Context()).id,
 		req:         req,
@@ -288,7 +292,12 @@ func (s *Server) upstreamHeaders(in http.Header) http.Header {
 	if key := s.cfg.Upstream.APIKey.Reveal(); key != "" {
 		h.Del("X-Api-Key")
 		h.Del("Api-Key")
-		h.Set("Authorization", "Bearer "+key)
+		h.Del("Authorization")
+		if s.cfg.Upstream.Dialect == "anthropic" {
+			h.Set("X-Api-Key", key) // Anthropic's own header
+		} else {
+			h.Set("Authorization", "Bearer "+key)
+		}
 	}
 	return h
 }

@@ -207,30 +207,32 @@ func (sr *streamRules) usage(data []byte, last anchor.Usage) (anchor.Usage, bool
 
 // ends tells whether an event ends a complete answer of the dialect:
 // [DONE] or a finish reason (chat), response.completed or
-// response.incomplete (Responses), message_stop (Messages).
+// response.incomplete (Responses), message_stop (Messages). Only an
+// event that names one of those is decoded (never a text delta).
 func (sr *streamRules) ends(data []byte) bool {
 	switch sr.d {
 	case chat.DialectResponses:
-		return eventType(data) == "response.completed" || eventType(data) == "response.incomplete"
+		if !bytes.Contains(data, []byte(`response.completed"`)) && !bytes.Contains(data, []byte(`response.incomplete"`)) {
+			return false
+		}
+		t := eventType(data)
+		return t == "response.completed" || t == "response.incomplete"
 	case chat.DialectMessages:
-		return eventType(data) == "message_stop"
+		return bytes.Contains(data, []byte(`message_stop"`)) && eventType(data) == "message_stop"
 	}
 	return bytes.Equal(data, doneData) || (bytes.Contains(data, finishReasonKey) && finished(data))
 }
 
-// eventType is an event's "type" member, read only from events that are
-// small or start with it (a delta's text is never decoded for it).
+// eventType is an event's top-level "type" member, wherever the upstream
+// put it among the members (an encoder that sorts keys writes it last).
 func eventType(data []byte) string {
-	i := bytes.Index(data, []byte(`"type":"`))
-	if i < 0 || i > 16 {
+	var ev struct {
+		Type string `json:"type"`
+	}
+	if json.Unmarshal(data, &ev) != nil {
 		return ""
 	}
-	rest := data[i+8:]
-	j := bytes.IndexByte(rest, '"')
-	if j < 0 {
-		return ""
-	}
-	return string(rest[:j])
+	return ev.Type
 }
 
 // earlyFailure reads the first events of a Responses stream, up to the first

@@ -42,7 +42,9 @@ func newDialectUpstream(t *testing.T, window int) *dialectUpstream {
 			ToolChoice json.RawMessage `json:"tool_choice"`
 		}
 		_ = json.Unmarshal(body, &req)
-		summarize := bytes.Contains(req.ToolChoice, []byte("none"))
+		// The proxy's summarize calls: prefix-shaped (tool_choice none) or
+		// a transcript (no tools); the agent always declares its tools.
+		summarize := bytes.Contains(req.ToolChoice, []byte("none")) || !bytes.Contains(body, []byte(`"tools"`))
 		w.Header().Set("Content-Type", "application/json")
 		switch r.URL.Path {
 		case "/v1/responses":
@@ -51,7 +53,9 @@ func newDialectUpstream(t *testing.T, window int) *dialectUpstream {
 				if req.Stream && u.failInStream {
 					w.Header().Set("Content-Type", "text/event-stream")
 					io.WriteString(w, "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"r\",\"status\":\"in_progress\"}}\n\n")
-					fmt.Fprintf(w, "event: response.failed\ndata: {\"type\":\"response.failed\",\"response\":{\"id\":\"r\",\"status\":\"failed\",\"error\":{\"code\":\"context_length_exceeded\",\"message\":\"This model's maximum context length is %d tokens. However, your messages resulted in %d tokens.\"}}}\n\n", u.window, tokens)
+					// Members in sorted order, as an encoder that sorts keys
+					// writes them: "type" last.
+					fmt.Fprintf(w, "event: response.failed\ndata: {\"response\":{\"error\":{\"code\":\"context_length_exceeded\",\"message\":\"This model's maximum context length is %d tokens. However, your messages resulted in %d tokens.\"},\"id\":\"r\",\"status\":\"failed\"},\"sequence_number\":1,\"type\":\"response.failed\"}\n\n", u.window, tokens)
 					return
 				}
 				w.WriteHeader(400)
@@ -68,7 +72,7 @@ func newDialectUpstream(t *testing.T, window int) *dialectUpstream {
 				w.Header().Set("Content-Type", "text/event-stream")
 				io.WriteString(w, "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"r\"}}\n\n")
 				fmt.Fprintf(w, "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":%q}\n\n", text)
-				fmt.Fprintf(w, "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"r\",\"status\":\"completed\",\"usage\":%s}}\n\n", usage)
+				fmt.Fprintf(w, "event: response.completed\ndata: {\"response\":{\"id\":\"r\",\"status\":\"completed\",\"usage\":%s},\"sequence_number\":3,\"type\":\"response.completed\"}\n\n", usage)
 				return
 			}
 			fmt.Fprintf(w, `{"id":"r","object":"response","status":"completed","output":[{"type":"message","role":"assistant","content":[{"type":"output_text","text":%q}]}],"usage":%s}`, text, usage)
@@ -186,7 +190,7 @@ func TestDialectLoopsCompact(t *testing.T) {
 				newest := a.toolStep(1500)
 				stream := step%2 == 0 || tc.inStream
 				body := a.body(stream)
-				resp := p.post(t, path, body, "Anthropic-Version", "2023-06-01")
+				resp := p.post(t, path+"?beta=true", body, "Anthropic-Version", "2023-06-01")
 				got := readAll(t, resp)
 				if resp.StatusCode != 200 {
 					t.Fatalf("step %d: %d %s", step, resp.StatusCode, got)
@@ -195,8 +199,8 @@ func TestDialectLoopsCompact(t *testing.T) {
 				case "summarized", "reused":
 					summarized++
 				}
-				if stream && !bytes.Contains(got, []byte("ok")) {
-					t.Fatalf("step %d: stream not relayed: %s", step, got)
+				if stream && (!bytes.Contains(got, []byte("ok")) || bytes.Contains(got, []byte("broke off"))) {
+					t.Fatalf("step %d: stream not relayed whole: %s", step, got)
 				}
 				fwd := lastAgentRequest(t, up, path)
 				checkForwarded(t, tc.d, step, []byte(body), fwd, newest)
@@ -216,6 +220,9 @@ func TestDialectLoopsCompact(t *testing.T) {
 				if r.Path != path {
 					t.Errorf("a request went to %s, not the client's dialect %s", r.Path, path)
 				}
+				if isAgentRequest(r.Body) && r.Query != "beta=true" {
+					t.Errorf("the client's query string was not forwarded: %q", r.Query)
+				}
 			}
 			if v := counter(t, p.reg, "compactproxy_compactions_total", map[string]string{"action": "dropped"}); v != 0 {
 				t.Errorf("%v drops while the summarizer answers", v)
@@ -233,7 +240,7 @@ func lastAgentRequest(t *testing.T, up *dialectUpstream, path string) []byte {
 	t.Helper()
 	rs := up.requests()
 	for i := len(rs) - 1; i >= 0; i-- {
-		if rs[i].Path == path && !bytes.Contains(rs[i].Body, []byte(`"tool_choice"`)) {
+		if rs[i].Path == path && isAgentRequest(rs[i].Body) {
 			return rs[i].Body
 		}
 	}
@@ -320,5 +327,75 @@ func TestDialectErrorsInOwnEnvelope(t *testing.T) {
 	readAll(t, resp)
 	if resp.StatusCode != 200 || string(up.last(t).Body) != body {
 		t.Fatalf("previous_response_id request: %d, forwarded %s", resp.StatusCode, up.last(t).Body)
+	}
+}
+
+// TestDialectPreviewAndSelfCompaction: the preview reads a Messages body
+// and answers the view in its own dialect; an agent's own compaction
+// request is forwarded with its whole history while it fits, though a
+// stored summary would apply to it.
+func TestDialectPreviewAndSelfCompaction(t *testing.T) {
+	up := newDialectUpstream(t, 4000)
+	cfg := testConfig(up.URL)
+	cfg.Upstream.ContextWindow = 4000
+	p := newTestProxy(t, cfg)
+	a := &dialectAgent{d: chat.DialectMessages}
+	a.start()
+	// Steps until the first compaction: the history is then over the
+	// trigger, not over the window.
+	for step := 0; ; step++ {
+		a.toolStep(1000)
+		resp := p.post(t, "/v1/messages", a.body(false))
+		readAll(t, resp)
+		if resp.StatusCode != 200 || step > 20 {
+			t.Fatalf("step %d: %d", step, resp.StatusCode)
+		}
+		if resp.Header.Get("X-Compactproxy-Compaction") != "none" {
+			break
+		}
+	}
+	resp := p.post(t, "/v1/compactproxy/preview", a.body(false), "Anthropic-Version", "2023-06-01")
+	got := readAll(t, resp)
+	var pv struct {
+		Messages []json.RawMessage `json:"messages"`
+		Action   string            `json:"action"`
+	}
+	if resp.StatusCode != 200 || json.Unmarshal(got, &pv) != nil || len(pv.Messages) == 0 {
+		t.Fatalf("preview: %d %s", resp.StatusCode, got)
+	}
+	if pv.Action == "none" || !bytes.HasPrefix(pv.Messages[0], []byte(`{"role":"user","content":`)) || bytes.Contains(got, []byte(`"role":"tool"`)) {
+		t.Fatalf("preview is not a compacted Messages view: %s", got)
+	}
+	// The agent asks to summarize: the whole history fits the window, so
+	// it is forwarded whole, stored summary or not.
+	a.items = append(a.items, `{"role":"user","content":"Your task is to create a detailed summary of the conversation so far."}`)
+	full := a.body(false)
+	resp = p.post(t, "/v1/messages", full)
+	readAll(t, resp)
+	if resp.StatusCode != 200 || !bytes.Equal(up.last(t).Body, []byte(full)) || resp.Header.Get("X-Compactproxy-Compaction") != "none" {
+		t.Fatalf("self-compaction request: %d %s; forwarded whole: %v", resp.StatusCode, resp.Header.Get("X-Compactproxy-Compaction"), bytes.Equal(up.last(t).Body, []byte(full)))
+	}
+}
+
+// isAgentRequest tells the agent's requests from the proxy's summarize
+// calls (tool_choice none, or a transcript without tools).
+func isAgentRequest(body []byte) bool {
+	return bytes.Contains(body, []byte(`"tools"`)) && !bytes.Contains(body, []byte(`"tool_choice"`))
+}
+
+// TestAnthropicUpstreamKey: with upstream.dialect anthropic, the proxy's
+// upstream key goes in Anthropic's own header, the client's never.
+func TestAnthropicUpstreamKey(t *testing.T) {
+	up := newDialectUpstream(t, 4000)
+	cfg := testConfig(up.URL)
+	cfg.Upstream.Dialect = "anthropic"
+	cfg.Upstream.APIKey = "sk-ant-upstream"
+	cfg.Auth.AllowAnonymous = true
+	p := newTestProxy(t, cfg)
+	resp := p.post(t, "/v1/messages", `{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"hi"}]}`, "X-Api-Key", "sk-client")
+	readAll(t, resp)
+	h := up.last(t).Header
+	if resp.StatusCode != 200 || h.Get("X-Api-Key") != "sk-ant-upstream" || h.Get("Authorization") != "" {
+		t.Fatalf("%d: upstream got X-Api-Key %q, Authorization %q", resp.StatusCode, h.Get("X-Api-Key"), h.Get("Authorization"))
 	}
 }

@@ -42,7 +42,11 @@ func (s *Server) send(ctx context.Context, cr *chatRequest) (*http.Response, err
 		}
 		upStart := time.Now()
 		resp, err := s.retrier.do(ctx, "chat", func() (*http.Request, error) {
-			req, err := http.NewRequest(http.MethodPost, s.dialectURLs[cr.dialect], cr.pb.reader(body))
+			target := s.dialectURLs[cr.dialect]
+			if cr.query != "" {
+				target += "?" + cr.query
+			}
+			req, err := http.NewRequest(http.MethodPost, target, cr.pb.reader(body))
 			if err != nil {
 				return nil, err
 			}
@@ -155,7 +159,7 @@ func (s *Server) relay(w http.ResponseWriter, r *http.Request, cr *chatRequest, 
 		}
 		f := classifyUpstream(err)
 		s.log.Warn("upstream body read failed", zap.String("request_id", ri.id),
-			zap.String("upstream", s.chatLogURL), zap.String("error_class", f.code))
+			zap.String("upstream", s.dialectLogURLs[cr.dialect]), zap.String("error_class", f.code))
 		writeErrorIn(cr.dialect, w, http.StatusBadGateway, "upstream_error", f.code, "", "compactproxy: the upstream answer was cut off ("+f.text+")")
 		return
 	}
@@ -205,7 +209,7 @@ func streamErrorEvent(d chat.Dialect, f upstreamFailure) []byte {
 func (s *Server) abortStream(w http.ResponseWriter, ri *reqInfo, d chat.Dialect, f upstreamFailure) {
 	s.metrics.StreamAborts.Inc()
 	s.log.Warn("upstream stream broken off", zap.String("request_id", ri.id),
-		zap.String("upstream", s.chatLogURL), zap.String("error_class", f.code))
+		zap.String("upstream", s.dialectLogURLs[d]), zap.String("error_class", f.code))
 	ri.aborted = true
 	if _, err := w.Write(streamErrorEvent(d, f)); err == nil {
 		if fl, ok := w.(http.Flusher); ok {

@@ -37,24 +37,26 @@ type Server struct {
 	chatLogURL string // chatURL as logs may show it (scheme, host, path)
 	// dialectURLs are the upstream URLs of the compacted routes, by
 	// chat.Dialect (chat completions, responses, messages).
-	dialectURLs  [3]string
-	transport    *http.Transport
-	retrier      *retrier
-	auth         *clientAuth
-	tenantSecret []byte
-	ready        *readiness
-	windows      *windows
-	upstreamName string
-	store        store.Backend
-	storeHealth  storeHealth
-	flights      flights
-	calibration  *anchor.Calibration
-	impossible   onceSet // conversations warned about a fixed part over the budget
-	local        anchor.LocalEstimator
-	planner      *compaction.Planner // nil when compaction is off
-	sum          *summarizer.Client  // nil when the summarizer is off
-	digests      *digestCache
-	parses       *parseCache
+	dialectURLs [3]string
+	// dialectLogURLs are dialectURLs as logs may show them.
+	dialectLogURLs [3]string
+	transport      *http.Transport
+	retrier        *retrier
+	auth           *clientAuth
+	tenantSecret   []byte
+	ready          *readiness
+	windows        *windows
+	upstreamName   string
+	store          store.Backend
+	storeHealth    storeHealth
+	flights        flights
+	calibration    *anchor.Calibration
+	impossible     onceSet // conversations warned about a fixed part over the budget
+	local          anchor.LocalEstimator
+	planner        *compaction.Planner // nil when compaction is off
+	sum            *summarizer.Client  // nil when the summarizer is off
+	digests        *digestCache
+	parses         *parseCache
 	// summarizerIsUpstream: the summarizer is the chat upstream itself, so
 	// the client's own credentials may be used for it.
 	summarizerIsUpstream bool
@@ -87,6 +89,7 @@ func New(cfg config.Config, log *zap.Logger, reg *prometheus.Registry) (*Server,
 	}
 	for d := range s.dialectURLs {
 		s.dialectURLs[d] = join(up.base, upstreamPath(chat.Dialect(d))).String()
+		s.dialectLogURLs[d] = logURL(join(up.base, upstreamPath(chat.Dialect(d))))
 	}
 	s.retrier = &retrier{policy: cfg.Retry, rt: s.transport, metrics: s.metrics}
 	s.auth = &clientAuth{required: cfg.Upstream.APIKey != "", allowAnonymous: cfg.Auth.AllowAnonymous}

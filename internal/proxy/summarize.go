@@ -251,7 +251,9 @@ func (s *Server) summaryCall(h http.Header, req *chat.Request) summarizer.Call {
 // shape or cut the summary (Anthropic's extended thinking: its budget must
 // stay under max_tokens).
 func dialectBuilder(req *chat.Request) summarizer.Builder {
-	hasTools := req.HasField("tools")
+	// Codex's own compaction request sends "tools": [] — no tool_choice
+	// for an empty tool list.
+	hasTools := req.HasField("tools") && !bytes.Equal(bytes.TrimSpace(req.FieldValue("tools")), []byte("[]"))
 	return func(msgs []chat.Message, maxTokens int) []byte {
 		limit := []byte(strconv.Itoa(maxTokens))
 		var set []chat.Field

@@ -437,7 +437,11 @@ func (c *Client) post(ctx context.Context, call *Call, body []byte) (string, err
 	hr.Header.Set("Content-Type", "application/json")
 	hr.Header.Set("Accept", "application/json")
 	if c.opt.APIKey != "" {
-		hr.Header.Set("Authorization", "Bearer "+c.opt.APIKey)
+		if c.opt.Dialect == "anthropic" {
+			hr.Header.Set("X-Api-Key", c.opt.APIKey)
+		} else {
+			hr.Header.Set("Authorization", "Bearer "+c.opt.APIKey)
+		}
 	} else {
 		for _, k := range credentialHeaders {
 			if v := call.Credentials.Values(k); len(v) > 0 {

@@ -31,6 +31,10 @@
 // else is reachable from there, which the test probes before it starts
 // the agent.
 //
+// Codex CLI and Claude Code, which speak the Responses and Messages APIs,
+// are driven by TestCodexAndClaudeCode (codexclaude_test.go) against their
+// own mock (dialectmock_test.go), with this file's recorder.
+//
 // It needs node >= 20.6 and, on a fresh machine, npm
 // (scripts/agent-deps.sh installs the agents from the lockfile); opencode
 // also needs linux-x64 and CAP_SYS_ADMIN for the namespace (root). Without
@@ -245,18 +249,46 @@ var cases = []runCase{
 	{agent: opencode, wl: pacedReads, window: 12288, largeFixed: true, matrix: true},
 }
 
-// turn is one chat request of the agent as the recorder saw it.
+// turn is one model request of the agent as the recorder saw it.
 type turn struct {
 	N      int
 	Body   []byte // what the agent sent to compactproxy
 	Status int
 	Header http.Header // compactproxy's response headers
+	// Resp is the answer's body as the agent received it (a stream
+	// included), for telling which answers were overflows; RespErr the
+	// error that ended reading it early, if any (not io.EOF).
+	Resp    *lockedBuffer
+	RespErr *errBox
+}
+
+// errBox holds an error set by one goroutine and read by another.
+type errBox struct {
+	mu  sync.Mutex
+	err error
+}
+
+func (b *errBox) set(err error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.err == nil {
+		b.err = err
+	}
+}
+
+func (b *errBox) get() error {
+	if b == nil {
+		return nil
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.err
 }
 
 // recorder sits between the agent and compactproxy: it numbers the agent's
-// chat requests (turnHeader, which compactproxy forwards like any client
-// header), keeps their bodies and the response status and headers, and
-// streams the answers through.
+// model requests, chat, Responses or Messages (turnHeader, which
+// compactproxy forwards like any client header), keeps their bodies, the
+// response status, headers and body, and streams the answers through.
 type recorder struct {
 	srv *httptest.Server
 	rp  *httputil.ReverseProxy
@@ -291,6 +323,9 @@ func newRecorderOn(t *testing.T, target string, ln net.Listener) *recorder {
 			defer rec.mu.Unlock()
 			rec.turns[n].Status = resp.StatusCode
 			rec.turns[n].Header = resp.Header.Clone()
+			buf, eb := &lockedBuffer{}, &errBox{}
+			rec.turns[n].Resp, rec.turns[n].RespErr = buf, eb
+			resp.Body = teeBody{ReadCloser: resp.Body, to: buf, err: eb}
 			return nil
 		},
 	}
@@ -312,7 +347,7 @@ func (rec *recorder) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	r.Body = io.NopCloser(bytes.NewReader(body))
 	rec.mu.Lock()
-	if r.Method == http.MethodPost && strings.HasSuffix(r.URL.Path, "/chat/completions") {
+	if r.Method == http.MethodPost && isTurnPath(r.URL.Path) {
 		n := len(rec.turns)
 		rec.turns = append(rec.turns, turn{N: n, Body: body})
 		r.Header.Set(turnHeader, strconv.Itoa(n))
@@ -321,6 +356,34 @@ func (rec *recorder) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	rec.mu.Unlock()
 	rec.rp.ServeHTTP(w, r)
+}
+
+// teeBody copies what is read from a response body to a buffer.
+type teeBody struct {
+	io.ReadCloser
+	to  *lockedBuffer
+	err *errBox
+}
+
+func (b teeBody) Read(p []byte) (int, error) {
+	n, err := b.ReadCloser.Read(p)
+	b.to.Write(p[:n])
+	if err != nil && err != io.EOF {
+		b.err.set(err)
+	}
+	return n, err
+}
+
+// isTurnPath: a request to this path is one of the agent's model requests
+// (numbered by the recorder): Chat Completions, Responses (Codex CLI) or
+// Messages (Claude Code; not its count_tokens).
+func isTurnPath(path string) bool {
+	for _, suffix := range []string{"/chat/completions", "/responses", "/messages"} {
+		if strings.HasSuffix(path, suffix) {
+			return true
+		}
+	}
+	return false
 }
 
 func (rec *recorder) snapshot() ([]turn, []string) {
