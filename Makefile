@@ -71,9 +71,10 @@ test: e2e-deps agent-deps ops-deps redis-deps
 
 # Not part of `make test`: the wide real llama-server matrix (every window ×
 # template × workload, stories260K and the real-tokenizer models at 8k-32k,
+# the Responses and Messages loops through the npm SDKs e2e-deps installs,
 # LLAMA_RUNS runs each, default 3), its report in LLAMA_REPORT
 # (default llama-matrix.txt). Takes an hour or more on 2 cores.
-llama-matrix:
+llama-matrix: e2e-deps
 	LLAMA_MATRIX=full LLAMA_RUNS=$${LLAMA_RUNS:-3} LLAMA_REPORT=$${LLAMA_REPORT:-$(CURDIR)/llama-matrix.txt} \
 		$(GO) test -count=1 -timeout 600m -run TestLlamaAgentLoop -v ./test/llama/
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Installs the end-to-end test's npm dependencies (the official `openai` SDK,
-# pinned by test/e2e/package-lock.json) into test/e2e/node_modules.
+# Installs the end-to-end tests' npm dependencies (the official `openai` and
+# `@anthropic-ai/sdk` SDKs, pinned by test/e2e/package-lock.json) into
+# test/e2e/node_modules: test/e2e's client.mjs uses openai, test/llama's
+# sdkclient.mjs both (the Responses and Messages loops against llama-server).
 #
 # Idempotent: when node_modules already holds exactly the lockfile's version of
 # every package it pins, nothing is fetched. Otherwise `npm ci` installs from
@@ -8,7 +10,9 @@
 # and ci refuses a lockfile that disagrees with package.json).
 #
 # test/e2e/e2e_test.go runs this script itself when node_modules is missing,
-# so `go test ./...` works on a fresh machine that has npm.
+# so `go test ./...` works on a fresh machine that has npm (test/llama does
+# not: it skips its SDK loops and says to run this script, or fails under
+# CI=true).
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -19,7 +23,7 @@ if ! command -v node >/dev/null 2>&1; then
 	exit 127
 fi
 if ! command -v npm >/dev/null 2>&1; then
-	echo "e2e-deps: npm is not installed (need npm to install the openai SDK for the end-to-end test)" >&2
+	echo "e2e-deps: npm is not installed (need npm to install the openai and @anthropic-ai/sdk SDKs for the end-to-end tests)" >&2
 	exit 127
 fi
 

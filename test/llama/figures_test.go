@@ -88,6 +88,8 @@ func viewString(msgs []fwdMessage, latest string) string {
 
 // summarizeFigures is one summarize call.
 type summarizeFigures struct {
+	path           string // the endpoint it was sent to
+	fields         string // its top-level fields other than the history, for a failure's log
 	seq, step      int
 	status         int
 	measured       int // /apply-template + /tokenize
@@ -158,6 +160,9 @@ type figures struct {
 	baseTokens     int // system prompt + first task, no tools
 	resultBytes    int
 	resultTokens   int
+	// otherCalls: the POSTs other than model calls that reached
+	// llama-server, by path (exact counters compactproxy may use).
+	otherCalls map[string]int
 }
 
 // afterSummary is the first forwarded view that carries a new summary.
@@ -300,8 +305,8 @@ func computeFigures(t *testing.T, cfg llamaConfig, ls *llamaServer, cs []clientS
 			if c.ProxyErr != "" {
 				r.attStatus += "(" + c.ProxyErr + ")"
 			}
-			var b fwdBody
-			if err := json.Unmarshal(c.Body, &b); err != nil {
+			b, err := chatForm(c.Path, c.Body)
+			if err != nil {
 				r.pairingIssue = "unparsable body"
 				continue
 			}
@@ -412,15 +417,14 @@ func computeFigures(t *testing.T, cfg llamaConfig, ls *llamaServer, cs []clientS
 		if c.Kind != "summarize" {
 			continue
 		}
-		var b fwdBody
-		json.Unmarshal(c.Body, &b)
-		s := summarizeFigures{seq: c.Seq, step: c.Step, status: c.Status, reported: parseReported(c.resp.Bytes()),
+		b, _ := chatForm(c.Path, c.Body)
+		s := summarizeFigures{path: c.Path, fields: topLevelFields(c.Body), seq: c.Seq, step: c.Step, status: c.Status, reported: parseReported(c.resp.Bytes()),
 			maxTokens: max(b.MaxTokens, b.MaxCompletionTokens), messages: len(b.Messages), bytes: len(c.Body), hasTools: len(b.Tools) > 0,
 			dur: c.end.Sub(c.start)}
 		if n := len(b.Messages); n > 0 {
 			s.lastRoleIsUser = b.Messages[n-1].Role == "user"
 		}
-		n, err := ls.countTokens(c.Body)
+		n, err := ls.countBody(c.Path, c.Body)
 		if err != nil {
 			s.measureErr = err.Error()
 		}
@@ -438,6 +442,7 @@ func computeFigures(t *testing.T, cfg llamaConfig, ls *llamaServer, cs []clientS
 			sumCachedS += max(s.reported.CachedTokens, 0)
 		}
 		f.sums = append(f.sums, s)
+
 		if n := len(f.summarizeSteps); n == 0 || f.summarizeSteps[n-1] != c.Step {
 			f.summarizeSteps = append(f.summarizeSteps, c.Step)
 		}
@@ -546,7 +551,21 @@ func (f *figures) render() string {
 		acts = append(acts, fmt.Sprintf("%s=%d", k, v))
 	}
 	sort.Strings(acts)
-	w("upstream chat POSTs: %d forwarded (%d overflow retries), %d summarize", f.forwards, f.overflowRetries, f.summarizes)
+	api := "chat completions"
+	if f.cfg.dialect != "" {
+		api = dialectPath(f.cfg.dialect) + " through the official SDK (sdkclient.mjs)"
+	}
+	paths := map[string]int{}
+	for _, su := range f.sums {
+		paths[su.path]++
+	}
+	var others []string
+	for p, n := range f.otherCalls {
+		others = append(others, fmt.Sprintf("%s=%d", p, n))
+	}
+	sort.Strings(others)
+	w("client API: %s; upstream model POSTs: %d forwarded (%d overflow retries), %d summarize %v; other POSTs: %s",
+		api, f.forwards, f.overflowRetries, f.summarizes, paths, strings.Join(others, " "))
 	w("%-50s %-20s %s", "figure", "value", "goal")
 	row := func(name, value, goal string, ok bool) {
 		mark := "ok"
@@ -584,7 +603,7 @@ func (f *figures) render() string {
 	for k, v := range f.metrics {
 		if strings.Contains(k, "compactions_total") || strings.Contains(k, "summarize") || strings.Contains(k, "latch") ||
 			strings.Contains(k, "retries") || strings.Contains(k, "invariant") || strings.Contains(k, "unknown_window") ||
-			strings.Contains(k, "impossible") || strings.Contains(k, "errors_total") || strings.Contains(k, `route="chat"`) {
+			strings.Contains(k, "impossible") || strings.Contains(k, "errors_total") || strings.Contains(k, `route="`) {
 			if v != 0 {
 				ms = append(ms, fmt.Sprintf("%s %g", strings.TrimPrefix(k, "compactproxy_"), v))
 			}
@@ -719,6 +738,57 @@ func (f *figures) assertGoals(t *testing.T) {
 	if len(f.finalMoved) > 0 {
 		t.Errorf("the client's final message stays final in the forwarded view; not at steps %s", ints(f.finalMoved))
 	}
+	f.assertSummaryLength(t)
+}
+
+// assertSummaryLength: neither real-tokenizer model ever stops early, so
+// a summarize call answered 200 generates the tokens it asked for unless
+// the window ends first; fewer means a field of the client's that caps
+// generation (llama-server's n_predict wins over max_tokens and
+// max_output_tokens) reached the summarize request. Held for the
+// Responses and Messages loops (issue 21), whose clients send their own
+// n_predict as the chat loop's does.
+func (f *figures) assertSummaryLength(t *testing.T) {
+	t.Helper()
+	if f.cfg.dialect == "" || f.cfg.real == "" {
+		return
+	}
+	for _, s := range f.sums {
+		if s.status != 200 || s.reported.Completion <= 0 || s.reported.Completion >= s.maxTokens {
+			continue
+		}
+		if s.measured > 0 && s.measured+s.reported.Completion >= f.nCtx {
+			continue
+		}
+		t.Errorf("summarize call %d (step %d, %s) generated %d of the %d tokens it asked for: a client field that caps generation reached it; its fields: %s",
+			s.seq, s.step, s.path, s.reported.Completion, s.maxTokens, s.fields)
+	}
+}
+
+// topLevelFields is a request body's top-level fields, the history
+// (messages, input) shortened to its length and the rest cut at 80 bytes.
+func topLevelFields(body []byte) string {
+	var m map[string]json.RawMessage
+	if json.Unmarshal(body, &m) != nil {
+		return "(unparsable)"
+	}
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	var b strings.Builder
+	for _, k := range keys {
+		v := string(m[k])
+		switch {
+		case k == "messages" || k == "input" || k == "tools":
+			v = fmt.Sprintf("(%d bytes)", len(v))
+		case len(v) > 80:
+			v = v[:80] + "..."
+		}
+		fmt.Fprintf(&b, "%s=%s ", k, v)
+	}
+	return strings.TrimSpace(b.String())
 }
 
 // largeSummaryBound is the regression bound on summarize calls of a
@@ -808,7 +878,7 @@ const minAnchoredForBound = 5
 func (f *figures) cacheCeilingFigures(t *testing.T, ls *llamaServer, cs []clientStep, tools []json.RawMessage, final []message) {
 	t.Helper()
 	count := func(k int) (int, bool) {
-		n, err := ls.countTokens(requestBody(f.cfg.model(), final[:k], tools, requestShape{}))
+		n, err := ls.countClientView(f.cfg, final[:k], tools)
 		if err != nil {
 			t.Logf("cache ceiling: counting the client's view of %d messages: %v", k, err)
 			return 0, false

@@ -75,6 +75,10 @@ type llamaConfig struct {
 	// capped: summarizer.max_tokens at 1/32 of the window (summaryTokens),
 	// the harness's old setting, kept as an extra beside the defaults.
 	capped bool
+	// dialect is the API the agent speaks: "" Chat Completions (the loop
+	// sends it itself), dialectResponses or dialectMessages (the official
+	// SDKs send it, dialect_test.go).
+	dialect string
 }
 
 // model is the model name the loop's requests carry.
@@ -193,7 +197,9 @@ func matrix(e llamaEnv, full bool) []llamaConfig {
 		if _, ok := e.realModels["qwen2.5"]; ok {
 			out = append(out,
 				llamaConfig{name: "real-qwen2.5-8192-paced", ctx: 8192, real: "qwen2.5", workload: paced},
-				llamaConfig{name: "real-qwen2.5-8192-large", ctx: 8192, real: "qwen2.5", workload: large})
+				llamaConfig{name: "real-qwen2.5-8192-large", ctx: 8192, real: "qwen2.5", workload: large},
+				llamaConfig{name: "responses-real-qwen2.5-8192-paced", ctx: 8192, real: "qwen2.5", workload: paced, dialect: dialectResponses},
+				llamaConfig{name: "messages-real-qwen2.5-8192-paced", ctx: 8192, real: "qwen2.5", workload: paced, dialect: dialectMessages})
 		}
 		return out
 	}
@@ -221,6 +227,23 @@ func matrix(e llamaEnv, full bool) []llamaConfig {
 		for _, c := range []int{8192, 16384, 32768} {
 			for _, wl := range []string{paced, large} {
 				out = append(out, llamaConfig{name: fmt.Sprintf("real-%s-%d-%s", fam, c, wl), ctx: c, real: fam, workload: wl})
+			}
+		}
+	}
+	// Issue 21: the Responses and Messages loops through the official
+	// SDKs, at 8k and 16k on both workloads (Qwen2.5), and Qwen3 at 16k.
+	for _, d := range []string{dialectResponses, dialectMessages} {
+		for _, fam := range []string{"qwen2.5", "qwen3"} {
+			if _, ok := e.realModels[fam]; !ok {
+				continue
+			}
+			for _, c := range []int{8192, 16384} {
+				for _, wl := range []string{paced, large} {
+					if fam == "qwen3" && (c != 16384 || wl != paced) {
+						continue
+					}
+					out = append(out, llamaConfig{name: fmt.Sprintf("%s-real-%s-%d-%s", d, fam, c, wl), ctx: c, real: fam, workload: wl, dialect: d})
+				}
 			}
 		}
 	}
@@ -296,6 +319,12 @@ func TestLlamaAgentLoop(t *testing.T) {
 			if runs > 1 {
 				name = fmt.Sprintf("%s/run%d", cfg.name, run)
 			}
+			if cfg.dialect != "" && run == 1 {
+				// The loop straight at llama-server first: its SDK
+				// requests are accepted, usage is read right, and the
+				// conversation outgrows the window without compaction.
+				t.Run(cfg.name+"/direct", func(t *testing.T) { directReference(t, env, cfg, ws) })
+			}
 			t.Run(name, func(t *testing.T) {
 				f := runLoop(t, env, cfg, bin, ws)
 				text := f.render()
@@ -367,40 +396,59 @@ func runLoop(t *testing.T, env llamaEnv, cfg llamaConfig, bin string, ws []wsFil
 	conv := fmt.Sprintf("llamatest-%s-%d", cfg.name, time.Now().UnixNano())
 	var cs []clientStep
 	hc := &http.Client{Timeout: stepTimeout}
+	var sdk *sdkClient
+	if cfg.dialect != "" {
+		sdk = startSDK(t, cfg.dialect, purl+"/v1")
+	}
 	for i := 1; i <= steps; i++ {
 		shape := shapeFor(i, cfg.ctx)
-		body := requestBody(cfg.model(), msgs, tools, shape)
+		if cfg.dialect != "" {
+			shape = dialectShape(cfg.dialect, i, cfg.ctx)
+		}
 		st := clientStep{n: i, shape: shape, clientMsgs: len(msgs), latest: latestUser(msgs)}
 		rec.step.Store(int64(i))
-		req, _ := http.NewRequest(http.MethodPost, purl+"/v1/chat/completions", bytes.NewReader(body))
-		req.Header.Set("Content-Type", "application/json")
-		req.Header.Set("Authorization", "Bearer sk-llamatest-not-a-real-key")
-		req.Header.Set("X-Compactproxy-Conversation", conv)
-		req.Header.Set(stepHeader, strconv.Itoa(i))
-		t0 := time.Now()
-		resp, err := hc.Do(req)
-		if err != nil {
-			t.Fatalf("step %d: %v\n%s", i, err, proxy.Tail(4000))
+		var h http.Header
+		if sdk != nil {
+			t0 := time.Now()
+			a := sdk.send(t, i, shape.stream, dialectParams(cfg, msgs, tools, shape),
+				map[string]string{"X-Compactproxy-Conversation": conv, stepHeader: strconv.Itoa(i)})
+			st.dur = time.Since(t0)
+			st.status, h, st.streamOK = a.Status, a.header(), a.StreamOK
+			if st.status != http.StatusOK || !a.StreamOK {
+				st.errText = a.Error
+			}
+		} else {
+			body := requestBody(cfg.model(), msgs, tools, shape)
+			req, _ := http.NewRequest(http.MethodPost, purl+"/v1/chat/completions", bytes.NewReader(body))
+			req.Header.Set("Content-Type", "application/json")
+			req.Header.Set("Authorization", "Bearer sk-llamatest-not-a-real-key")
+			req.Header.Set("X-Compactproxy-Conversation", conv)
+			req.Header.Set(stepHeader, strconv.Itoa(i))
+			t0 := time.Now()
+			resp, err := hc.Do(req)
+			if err != nil {
+				t.Fatalf("step %d: %v\n%s", i, err, proxy.Tail(4000))
+			}
+			rb, err := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			st.dur = time.Since(t0)
+			if err != nil {
+				st.errText = "reading the answer: " + err.Error()
+			}
+			st.status = resp.StatusCode
+			h = resp.Header
+			st.streamOK = true
+			if shape.stream && st.status == http.StatusOK {
+				st.streamOK = bytes.Contains(rb, []byte("data: [DONE]")) && !bytes.Contains(rb, []byte(`data: {"error"`))
+			}
+			if st.status != http.StatusOK {
+				st.errText = string(rb[:min(len(rb), 300)])
+			}
 		}
-		rb, err := io.ReadAll(resp.Body)
-		resp.Body.Close()
-		st.dur = time.Since(t0)
-		if err != nil {
-			st.errText = "reading the answer: " + err.Error()
-		}
-		st.status = resp.StatusCode
-		h := resp.Header
 		st.action = h.Get("X-Compactproxy-Compaction")
 		st.source = h.Get("X-Compactproxy-Context-Source")
 		st.context, _ = strconv.Atoi(h.Get("X-Compactproxy-Context-Tokens"))
 		st.forwarded, _ = strconv.Atoi(h.Get("X-Compactproxy-Forwarded-Tokens"))
-		st.streamOK = true
-		if shape.stream && st.status == http.StatusOK {
-			st.streamOK = bytes.Contains(rb, []byte("data: [DONE]")) && !bytes.Contains(rb, []byte(`data: {"error"`))
-		}
-		if st.status != http.StatusOK {
-			st.errText = string(rb[:min(len(rb), 300)])
-		}
 		cs = append(cs, st)
 
 		s := script[i-1]
@@ -419,6 +467,7 @@ func runLoop(t *testing.T, env llamaEnv, cfg llamaConfig, bin string, ws []wsFil
 	}
 	calls := rec.snapshot()
 	f := computeFigures(t, cfg, ls, cs, calls, metrics, tools, script, msgs)
+	f.otherCalls = rec.otherCalls()
 	f.duration = time.Since(began)
 	if os.Getenv("LLAMA_PROXY_LOG") != "" {
 		t.Logf("compactproxy log:\n%s", proxy.Tail(1<<20))

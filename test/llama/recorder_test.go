@@ -24,11 +24,13 @@ import (
 // (header present) from a summarize call (header absent).
 const stepHeader = "X-Llamatest-Step"
 
-// upstreamCall is one POST /v1/chat/completions that reached llama-server.
+// upstreamCall is one POST /v1/chat/completions, /v1/responses or
+// /v1/messages that reached llama-server.
 type upstreamCall struct {
 	Seq    int
+	Path   string // the request's path
 	Step   int    // the client step it belongs to (for summarize calls: the step running when it started, 0 = before step 1)
-	Kind   string // "forward" or "summarize"
+	Kind   string // "forward" or "summarize" (any call without the step header)
 	Body   []byte
 	Status int // llama-server's answer; 502 = the recorder could not reach it (see ProxyErr)
 	// ProxyErr is the recorder's own error talking to llama-server.
@@ -79,6 +81,9 @@ type recorder struct {
 
 	mu    sync.Mutex
 	calls []*upstreamCall
+	// others counts the other POSTs by path (a counter compactproxy may
+	// call on a compacting step: /tokenize, /v1/messages/count_tokens, ...).
+	others map[string]int
 }
 
 type callKey struct{}
@@ -89,7 +94,7 @@ func newRecorder(t *testing.T, target string) *recorder {
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := &recorder{}
+	r := &recorder{others: map[string]int{}}
 	r.rp = &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.SetURL(u)
@@ -127,7 +132,12 @@ func newRecorder(t *testing.T, target string) *recorder {
 }
 
 func (r *recorder) ServeHTTP(w http.ResponseWriter, req *http.Request) {
-	if req.Method != http.MethodPost || !strings.HasSuffix(req.URL.Path, "/chat/completions") {
+	if req.Method != http.MethodPost || !isModelCall(req.URL.Path) {
+		if req.Method == http.MethodPost {
+			r.mu.Lock()
+			r.others[req.URL.Path]++
+			r.mu.Unlock()
+		}
 		r.rp.ServeHTTP(w, req)
 		return
 	}
@@ -137,7 +147,7 @@ func (r *recorder) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 		return
 	}
 	req.Body = io.NopCloser(bytes.NewReader(body))
-	c := &upstreamCall{Body: body, resp: &lockedBuffer{}, Kind: "summarize", Step: int(r.step.Load()), start: time.Now()}
+	c := &upstreamCall{Path: req.URL.Path, Body: body, resp: &lockedBuffer{}, Kind: "summarize", Step: int(r.step.Load()), start: time.Now()}
 	if s := req.Header.Get(stepHeader); s != "" {
 		c.Kind = "forward"
 		c.Step, _ = strconv.Atoi(s)
@@ -154,6 +164,23 @@ func (r *recorder) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 	r.mu.Unlock()
 }
 
+// isModelCall: a request that makes the model generate, in any dialect.
+func isModelCall(path string) bool {
+	return strings.HasSuffix(path, "/chat/completions") || strings.HasSuffix(path, "/v1/responses") ||
+		strings.HasSuffix(path, "/v1/messages")
+}
+
+// otherCalls is a copy of the other POSTs' counts.
+func (r *recorder) otherCalls() map[string]int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := map[string]int{}
+	for k, v := range r.others {
+		out[k] = v
+	}
+	return out
+}
+
 // snapshot returns the calls so far; call it when no request is in flight.
 func (r *recorder) snapshot() []*upstreamCall {
 	r.mu.Lock()
@@ -162,18 +189,70 @@ func (r *recorder) snapshot() []*upstreamCall {
 }
 
 // parseReported reads usage, timings or the error of one answer (a JSON
-// body or an SSE stream: the last event that carries them).
-func parseReported(body []byte) reported {
-	rep := reported{PromptTokens: -1, CachedTokens: -1, PromptN: -1, CacheN: -1}
+// body or an SSE stream: the last event that carries them), in any of the
+// three dialects, into chat's terms: PromptTokens is the whole prompt,
+// cached included. Chat: usage.prompt_tokens (includes
+// prompt_tokens_details.cached_tokens). Responses: usage.input_tokens
+// (includes input_tokens_details.cached_tokens), in the body or in the
+// response.completed event's response. Messages: input_tokens +
+// cache_read_input_tokens + cache_creation_input_tokens (disjoint), in the
+// body or the message_start event's message (message_delta carries only
+// output_tokens). llama-server gives timings on chat answers and in the
+// Responses stream's response.completed event only: where they are
+// missing, prompt_n is prompt − cached and cache_n is cached.
+func parseReported(body []byte) (rep reported) {
+	rep = reported{PromptTokens: -1, CachedTokens: -1, PromptN: -1, CacheN: -1}
+	type usage struct {
+		PromptTokens     *int `json:"prompt_tokens"`
+		CompletionTokens *int `json:"completion_tokens"`
+		Details          *struct {
+			Cached int `json:"cached_tokens"`
+		} `json:"prompt_tokens_details"`
+		InputTokens  *int `json:"input_tokens"`
+		OutputTokens *int `json:"output_tokens"`
+		InputDetails *struct {
+			Cached int `json:"cached_tokens"`
+		} `json:"input_tokens_details"`
+		CacheRead     *int `json:"cache_read_input_tokens"`
+		CacheCreation *int `json:"cache_creation_input_tokens"`
+	}
+	applyUsage := func(u *usage) {
+		if u == nil {
+			return
+		}
+		switch {
+		case u.PromptTokens != nil:
+			rep.PromptTokens = *u.PromptTokens
+			if u.Details != nil {
+				rep.CachedTokens = u.Details.Cached
+			}
+		case u.InputTokens != nil && u.InputDetails != nil:
+			rep.PromptTokens, rep.CachedTokens = *u.InputTokens, u.InputDetails.Cached
+		case u.InputTokens != nil:
+			read, creation := 0, 0
+			if u.CacheRead != nil {
+				read = *u.CacheRead
+			}
+			if u.CacheCreation != nil {
+				creation = *u.CacheCreation
+			}
+			rep.PromptTokens, rep.CachedTokens = *u.InputTokens+read+creation, read
+		}
+		if u.CompletionTokens != nil {
+			rep.Completion = *u.CompletionTokens
+		} else if u.OutputTokens != nil {
+			rep.Completion = *u.OutputTokens
+		}
+	}
 	apply := func(obj []byte) {
 		var v struct {
-			Usage *struct {
-				PromptTokens     int `json:"prompt_tokens"`
-				CompletionTokens int `json:"completion_tokens"`
-				Details          *struct {
-					Cached int `json:"cached_tokens"`
-				} `json:"prompt_tokens_details"`
-			} `json:"usage"`
+			Usage    *usage `json:"usage"`
+			Response *struct {
+				Usage *usage `json:"usage"`
+			} `json:"response"`
+			Message *struct {
+				Usage *usage `json:"usage"`
+			} `json:"message"`
 			Timings *struct {
 				PromptN  int     `json:"prompt_n"`
 				CacheN   int     `json:"cache_n"`
@@ -188,12 +267,12 @@ func parseReported(body []byte) reported {
 		if json.Unmarshal(obj, &v) != nil {
 			return
 		}
-		if v.Usage != nil {
-			rep.PromptTokens = v.Usage.PromptTokens
-			rep.Completion = v.Usage.CompletionTokens
-			if v.Usage.Details != nil {
-				rep.CachedTokens = v.Usage.Details.Cached
-			}
+		applyUsage(v.Usage)
+		if v.Response != nil {
+			applyUsage(v.Response.Usage)
+		}
+		if v.Message != nil {
+			applyUsage(v.Message.Usage)
 		}
 		if v.Timings != nil {
 			rep.PromptN, rep.CacheN, rep.PromptMS = v.Timings.PromptN, v.Timings.CacheN, v.Timings.PromptMS
@@ -202,6 +281,11 @@ func parseReported(body []byte) reported {
 			rep.ErrType, rep.NPromptTokens, rep.NCtx = v.Error.Type, v.Error.NPromptTokens, v.Error.NCtx
 		}
 	}
+	defer func() {
+		if rep.PromptN < 0 && rep.PromptTokens >= 0 && rep.CachedTokens >= 0 {
+			rep.PromptN, rep.CacheN = rep.PromptTokens-rep.CachedTokens, rep.CachedTokens
+		}
+	}()
 	trimmed := bytes.TrimSpace(body)
 	if bytes.HasPrefix(trimmed, []byte("{")) {
 		apply(trimmed)
