@@ -73,21 +73,25 @@ func writeErrorIn(d chat.Dialect, w http.ResponseWriter, status int, typ, code, 
 		writeError(w, status, typ, code, param, msg)
 		return
 	}
-	body, _ := json.Marshal(struct {
-		Type  string `json:"type"`
-		Error struct {
-			Type    string `json:"type"`
-			Message string `json:"message"`
-		} `json:"error"`
-	}{Type: "error", Error: struct {
-		Type    string `json:"type"`
-		Message string `json:"message"`
-	}{anthropicErrorType(status, typ), msg}})
+	body := anthropicError(anthropicErrorType(status, typ), msg)
 	h := w.Header()
 	h.Set("Content-Type", "application/json")
 	h.Del("Content-Length")
 	w.WriteHeader(status)
 	_, _ = w.Write(append(body, '\n'))
+}
+
+// anthropicError is Anthropic's error envelope.
+func anthropicError(typ, msg string) []byte {
+	type detail struct {
+		Type    string `json:"type"`
+		Message string `json:"message"`
+	}
+	body, _ := json.Marshal(struct {
+		Type  string `json:"type"`
+		Error detail `json:"error"`
+	}{"error", detail{typ, msg}})
+	return body
 }
 
 // anthropicErrorType maps an answer to Anthropic's error types.

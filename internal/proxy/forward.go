@@ -184,17 +184,7 @@ func streamErrorEvent(d chat.Dialect, f upstreamFailure) []byte {
 		}{"error", f.code, msg})
 		return append(append([]byte("event: error\ndata: "), body...), '\n', '\n')
 	case chat.DialectMessages:
-		body, _ := json.Marshal(struct {
-			Type  string `json:"type"`
-			Error struct {
-				Type    string `json:"type"`
-				Message string `json:"message"`
-			} `json:"error"`
-		}{Type: "error", Error: struct {
-			Type    string `json:"type"`
-			Message string `json:"message"`
-		}{"api_error", msg}})
-		return append(append([]byte("event: error\ndata: "), body...), '\n', '\n')
+		return append(append([]byte("event: error\ndata: "), anthropicError("api_error", msg)...), '\n', '\n')
 	}
 	body, _ := json.Marshal(struct {
 		Error apiError `json:"error"`
