@@ -441,3 +441,17 @@ func TestDialectSummarizeCallShape(t *testing.T) {
 		}
 	}
 }
+
+// TestStreamErrorEventPerDialect: a stream the upstream broke off ends
+// with the dialect's own error event.
+func TestStreamErrorEventPerDialect(t *testing.T) {
+	for d, want := range map[chat.Dialect]string{
+		chat.DialectChat:      `data: {"error":{"message":"compactproxy: the upstream broke off the stream (upstream timed out)","type":"upstream_error","param":null,"code":"upstream_timeout"}}`,
+		chat.DialectResponses: `event: error` + "\n" + `data: {"type":"error","code":"upstream_timeout","message":"compactproxy: the upstream broke off the stream (upstream timed out)"}`,
+		chat.DialectMessages:  `event: error` + "\n" + `data: {"type":"error","error":{"type":"api_error","message":"compactproxy: the upstream broke off the stream (upstream timed out)"}}`,
+	} {
+		if got := string(streamErrorEvent(d, failTimeout)); got != want+"\n\n" {
+			t.Errorf("%s: %q, want %q", d, got, want+"\n\n")
+		}
+	}
+}
