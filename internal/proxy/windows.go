@@ -162,7 +162,9 @@ func (w *windows) warnOnce(model string) bool {
 }
 
 // discover reads the upstream's window: llama.cpp /props and the
-// OpenAI-style /models list (vLLM's max_model_len). Never on a request path.
+// OpenAI-style /models list (vLLM's max_model_len; the context_length,
+// context_window or max_context_length other servers and gateways list).
+// Never on a request path.
 // It reports whether a window was found.
 func (s *Server) discover(ctx context.Context) bool {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
@@ -173,7 +175,12 @@ func (s *Server) discover(ctx context.Context) bool {
 			return false
 		}
 		if key := s.cfg.Upstream.APIKey.Reveal(); key != "" {
-			req.Header.Set("Authorization", "Bearer "+key)
+			if s.cfg.Upstream.Dialect == "anthropic" {
+				req.Header.Set("X-Api-Key", key)
+				req.Header.Set("Anthropic-Version", "2023-06-01")
+			} else {
+				req.Header.Set("Authorization", "Bearer "+key)
+			}
 		}
 		// RoundTrip, never an http.Client: a redirect is not followed.
 		resp, err := s.transport.RoundTrip(req)
@@ -199,15 +206,24 @@ func (s *Server) discover(ctx context.Context) bool {
 	}
 	var models struct {
 		Data []struct {
-			ID          string `json:"id"`
-			MaxModelLen int    `json:"max_model_len"`
+			ID               string `json:"id"`
+			MaxModelLen      int    `json:"max_model_len"`      // vLLM
+			ContextLength    int    `json:"context_length"`     // OpenRouter, LM Studio, Together
+			ContextWindow    int    `json:"context_window"`     // Groq
+			MaxContextLength int    `json:"max_context_length"` // Mistral, LM Studio
 		} `json:"data"`
 	}
 	per := map[string]int{}
 	if get(join(s.up.base, "models").String(), &models) {
 		for _, m := range models.Data {
-			if m.MaxModelLen > 0 && len(per) < 1024 {
-				per[m.ID] = m.MaxModelLen
+			w := m.MaxModelLen
+			for _, v := range []int{m.ContextLength, m.ContextWindow, m.MaxContextLength} {
+				if w <= 0 {
+					w = v
+				}
+			}
+			if w > 0 && len(per) < 1024 {
+				per[m.ID] = w
 			}
 		}
 	}

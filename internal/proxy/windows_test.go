@@ -1,6 +1,9 @@
 package proxy
 
 import (
+	"context"
+	"io"
+	"net/http"
 	"testing"
 	"time"
 )
@@ -51,5 +54,26 @@ func TestAcceptedPromptDropsLearnedWindow(t *testing.T) {
 	w.accept("m", 3500, time.Minute)
 	if got := w.get("m"); got != 8000 {
 		t.Errorf("window %d after the upstream accepted 3500, want 8000", got)
+	}
+}
+
+// TestDiscoverModelsList: the window is read from an OpenAI-style /models
+// list in the fields servers and gateways use, per model.
+func TestDiscoverModelsList(t *testing.T) {
+	up := newFakeUpstream(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
+		if r.URL.Path != "/v1/models" {
+			w.WriteHeader(404)
+			return
+		}
+		io.WriteString(w, `{"object":"list","data":[{"id":"vllm","max_model_len":32768},{"id":"router","context_length":40000},{"id":"groq","context_window":131072},{"id":"mistral","max_context_length":65536},{"id":"none"}]}`)
+	})
+	p := newTestProxy(t, testConfig(up.URL))
+	if !p.srv.discover(context.Background()) {
+		t.Fatal("nothing discovered")
+	}
+	for model, want := range map[string]int{"vllm": 32768, "router": 40000, "groq": 131072, "mistral": 65536, "none": 0} {
+		if got := p.srv.windows.get(model); got != want {
+			t.Errorf("%s: window %d, want %d", model, got, want)
+		}
 	}
 }
