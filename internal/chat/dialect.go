@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/json"
 	"fmt"
+	"io"
 	"strconv"
 	"strings"
 )
@@ -112,9 +113,6 @@ func ParseDialect(d Dialect, body []byte) (*Request, error) {
 	if d == DialectChat {
 		return Parse(body)
 	}
-	if !json.Valid(body) {
-		return nil, &ParseError{Message: "request body is not valid JSON"}
-	}
 	fields, err := topFields(body)
 	if err != nil {
 		return nil, err
@@ -154,7 +152,9 @@ func ParseDialect(d Dialect, body []byte) (*Request, error) {
 }
 
 // topFields lists the object body's members in order; a key given twice
-// keeps its last value (as encoding/json does), in its first place.
+// keeps its last value (as encoding/json does), in its first place. It is
+// the body's validation too: anything but one JSON object (whitespace
+// around it) is a ParseError.
 func topFields(body []byte) ([]Field, error) {
 	dec := json.NewDecoder(bytes.NewReader(body))
 	if t, err := dec.Token(); err != nil || t != json.Delim('{') {
@@ -181,11 +181,17 @@ func topFields(body []byte) ([]Field, error) {
 			fields = append(fields, Field{Key: k, Value: v})
 		}
 	}
+	if t, err := dec.Token(); err != nil || t != json.Delim('}') {
+		return nil, &ParseError{Message: "request body is not valid JSON"}
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		return nil, &ParseError{Message: "request body must be one JSON object"}
+	}
 	return fields, nil
 }
 
-// field returns the value of the top-level key, nil when absent.
-func (r *Request) field(key string) []byte {
+// FieldValue is the raw value of the top-level key, nil when absent.
+func (r *Request) FieldValue(key string) []byte {
 	for _, f := range r.Fields {
 		if f.Key == key {
 			return f.Value
@@ -194,13 +200,10 @@ func (r *Request) field(key string) []byte {
 	return nil
 }
 
-// FieldValue is the raw value of the top-level key, nil when absent.
-func (r *Request) FieldValue(key string) []byte { return r.field(key) }
-
 // HasField tells whether the body has the top-level key with a value other
 // than null.
 func (r *Request) HasField(key string) bool {
-	v := r.field(key)
+	v := r.FieldValue(key)
 	return len(v) > 0 && string(v) != "null"
 }
 

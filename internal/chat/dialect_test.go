@@ -263,3 +263,15 @@ func FuzzParseDialect(f *testing.F) {
 		}
 	})
 }
+
+func TestParseDialectRejectsWhatIsNotOneObject(t *testing.T) {
+	for _, body := range []string{`{"input":"x"} {}`, `{"input":"x"`, `[]`, `{"input":"x",}`, `{"input":"x"} x`, ``} {
+		var pe *ParseError
+		if _, err := ParseDialect(DialectResponses, []byte(body)); !errors.As(err, &pe) {
+			t.Errorf("%q: err %v, want a ParseError", body, err)
+		}
+	}
+	if _, err := ParseDialect(DialectResponses, []byte(" {\"input\":\"x\"}\n")); err != nil {
+		t.Errorf("whitespace around the object: %v", err)
+	}
+}

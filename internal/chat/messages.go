@@ -28,13 +28,13 @@ type anthropicBlock struct {
 // them) is a system message.
 func (b *builder) messages() error {
 	r, src := b.r, b.r.src
-	if v := r.field("system"); len(v) > 0 && string(v) != "null" {
+	if v := r.FieldValue("system"); len(v) > 0 && string(v) != "null" {
 		text, _ := textOf(v)
 		s := synth{role: "system"}
 		s.text.WriteString(text)
 		b.add(&s, unit{field: true, at: -1, container: -1, items: [][]byte{v}})
 	}
-	arr := bytes.TrimSpace(r.field("messages"))
+	arr := bytes.TrimSpace(r.FieldValue("messages"))
 	if len(arr) == 0 || string(arr) == "null" {
 		return shapeError("messages", "messages is required")
 	}

@@ -49,13 +49,13 @@ func (it *responseItem) kind() string {
 // message answering its call_id.
 func (b *builder) responses() error {
 	r, src := b.r, b.r.src
-	if v := r.field("instructions"); len(v) > 0 && string(v) != "null" {
+	if v := r.FieldValue("instructions"); len(v) > 0 && string(v) != "null" {
 		text, _ := textOf(v)
 		s := synth{role: "system"}
 		s.text.WriteString(text)
 		b.add(&s, unit{field: true, at: -1, container: -1, items: [][]byte{v}})
 	}
-	input := bytes.TrimSpace(r.field("input"))
+	input := bytes.TrimSpace(r.FieldValue("input"))
 	if len(input) == 0 || string(input) == "null" {
 		return nil
 	}
@@ -158,7 +158,7 @@ func (b *builder) flushTurn() {
 // compaction made (a summary, an acknowledgement) is a message item.
 func (r *Request) renderResponses(msgs []Message) []byte {
 	if r.src.stringInput && r.unchangedDialect(msgs) {
-		return r.field("input")
+		return r.FieldValue("input")
 	}
 	out := []byte{'['}
 	n := 0

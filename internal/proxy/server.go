@@ -28,13 +28,11 @@ const digestCacheEntries = 200000
 // Server is the proxy. Build it with New, serve Handler, call Start to begin
 // background work (context-window discovery) and Close when done.
 type Server struct {
-	cfg        config.Config
-	log        *zap.Logger
-	metrics    *metrics.Metrics
-	handler    http.Handler
-	up         upstreamURLs
-	chatURL    string
-	chatLogURL string // chatURL as logs may show it (scheme, host, path)
+	cfg     config.Config
+	log     *zap.Logger
+	metrics *metrics.Metrics
+	handler http.Handler
+	up      upstreamURLs
 	// dialectURLs are the upstream URLs of the compacted routes, by
 	// chat.Dialect (chat completions, responses, messages).
 	dialectURLs [3]string
@@ -82,8 +80,6 @@ func New(cfg config.Config, log *zap.Logger, reg *prometheus.Registry) (*Server,
 		log:             log.Named("proxy"),
 		metrics:         metrics.New(reg),
 		up:              up,
-		chatURL:         join(up.base, "chat/completions").String(),
-		chatLogURL:      logURL(join(up.base, "chat/completions")),
 		noStreamOptions: newStreamOptionsMemo(cfg.Upstream.DiscoveryInterval),
 		transport:       newTransport(),
 	}

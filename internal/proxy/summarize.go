@@ -256,11 +256,7 @@ func dialectBuilder(req *chat.Request) summarizer.Builder {
 	hasTools := req.HasField("tools") && !bytes.Equal(bytes.TrimSpace(req.FieldValue("tools")), []byte("[]"))
 	return func(msgs []chat.Message, maxTokens int) []byte {
 		limit := []byte(strconv.Itoa(maxTokens))
-		// Servers' own length and format options win over the summary's
-		// limit (llama-server reads n_predict first), as in requestBuilder.
-		set := []chat.Field{{Key: "n_predict"}, {Key: "ignore_eos"}, {Key: "min_tokens"},
-			{Key: "grammar"}, {Key: "json_schema"}, {Key: "guided_json"}, {Key: "guided_regex"},
-			{Key: "guided_choice"}, {Key: "guided_grammar"}, {Key: "response_format"}}
+		set := append([]chat.Field{{Key: "response_format"}}, serverOutputFields...)
 		if req.Dialect() == chat.DialectResponses {
 			set = append(set, chat.Field{Key: "stream", Value: []byte("false")}, chat.Field{Key: "max_output_tokens", Value: limit},
 				chat.Field{Key: "stream_options"}, chat.Field{Key: "text"}, chat.Field{Key: "parallel_tool_calls"},
@@ -279,6 +275,15 @@ func dialectBuilder(req *chat.Request) summarizer.Builder {
 		return req.Build(msgs, set)
 	}
 }
+
+// serverOutputFields are servers' own length and format options, removed
+// from every summarize request: they win over its token limit
+// (llama-server reads n_predict first: a client's n_predict 16 for its
+// answers cut the summary to 16 tokens), and a grammar would force its
+// format on the summary.
+var serverOutputFields = []chat.Field{{Key: "n_predict"}, {Key: "ignore_eos"}, {Key: "min_tokens"},
+	{Key: "grammar"}, {Key: "json_schema"}, {Key: "guided_json"}, {Key: "guided_regex"},
+	{Key: "guided_choice"}, {Key: "guided_grammar"}}
 
 // requestBuilder writes the summarize request as a continuation of the
 // client's very request when the summarizer is the chat upstream and
@@ -313,19 +318,12 @@ func (s *Server) requestBuilder(req *chat.Request) summarizer.Builder {
 			{Key: otherKey}, {Key: "stream_options"}, {Key: "n"}, {Key: "response_format"},
 			{Key: "stop"}, {Key: "logprobs"}, {Key: "top_logprobs"}, {Key: "prediction"},
 			{Key: "parallel_tool_calls"},
-			// Servers' own length and format options win over max_tokens
-			// (llama-server reads n_predict first): a client's
-			// n_predict: 16 for its answers would cut the summary to 16
-			// tokens, a grammar would force its format on it.
-			{Key: "n_predict"}, {Key: "ignore_eos"}, {Key: "min_tokens"},
-			{Key: "grammar"}, {Key: "json_schema"},
-			{Key: "guided_json"}, {Key: "guided_regex"}, {Key: "guided_choice"}, {Key: "guided_grammar"},
 			{Key: "tool_choice"},
 		}
 		if hasTools {
 			set[len(set)-1].Value = []byte(`"none"`)
 		}
-		return own.Build(msgs, set)
+		return own.Build(msgs, append(set, serverOutputFields...))
 	}
 }
 
