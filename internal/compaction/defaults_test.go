@@ -16,7 +16,7 @@ import (
 // hands them to the planner (internal/config), not a tuned profile.
 func defaultConfig() Config {
 	return Config{
-		TriggerRatio: 0.8, TargetRatio: 0.6, ReserveTokens: 4096, KeepTail: 3, TailRatio: 0.3,
+		TriggerRatio: 0.8, TargetRatio: 0.6, ReserveTokens: 4096, KeepTail: 3, TailRatio: DefaultTailRatio,
 		LatchGrowth: 20, TrimToolResultTokens: 1024, MinInterval: time.Minute,
 		SummarizerEnabled: true, SummaryTokens: 1024, SummaryMinTokens: 256,
 	}

@@ -67,7 +67,7 @@ const (
 	DefaultTrimToolResultTokens = 1024
 	DefaultSummaryTokens        = 1024
 	DefaultSummaryMinTokens     = 256
-	DefaultTailRatio            = 0.3
+	DefaultTailRatio            = 0.15
 )
 
 // SummaryRequest is the summary a decision asks for (Output.Need): what to
@@ -466,6 +466,21 @@ func (r *run) compact() Output {
 func (r *run) decide(p *plan, cur, budget, target int) int {
 	cfg := r.cfg
 	headStart := p.headStart(r.lead)
+
+	// A background summary that is ready is what the request crossing the
+	// trigger re-applies (it costs no model call), before any trim: a trim
+	// of the head it replaces would change the forwarded prefix (the
+	// upstream re-evaluates everything after it) for a view that the
+	// summary changes again at the next crossing.
+	if cfg.SummarizerEnabled {
+		if q, e, ok := r.applyPending(p, *p, headStart, cur); ok {
+			*p, cur = q, e
+			headStart = p.headStart(r.lead)
+			if cur < target {
+				return cur
+			}
+		}
+	}
 
 	// The progress guard, before anything changes the forwarded prefix: a
 	// view within the budget whose history not yet summarized is under

@@ -74,7 +74,7 @@ type Compaction struct {
 	KeepTail      int     `mapstructure:"keep_tail" yaml:"keep_tail"`           // 3
 	// TailRatio: the verbatim tail extends by whole turns up to this share
 	// of the room (budget − fixed part); 0 = keep_tail only.
-	TailRatio float64 `mapstructure:"tail_ratio" yaml:"tail_ratio"` // 0.3
+	TailRatio float64 `mapstructure:"tail_ratio" yaml:"tail_ratio"` // 0.15
 	// SummaryMinTokens: a summary is attempted only when at least this much
 	// room is left for it.
 	SummaryMinTokens int `mapstructure:"summary_min_tokens" yaml:"summary_min_tokens"` // 256
@@ -182,7 +182,7 @@ func Default() Config {
 			TargetRatio:         0.60,
 			ReserveTokens:       4096,
 			KeepTail:            3,
-			TailRatio:           0.3,
+			TailRatio:           0.15,
 			SummaryMinTokens:    256,
 			PresummarizeRatio:   0.7,
 			MinInterval:         60 * time.Second,

@@ -469,7 +469,7 @@ func TestSummarizeRequestDropsClientOutputOptions(t *testing.T) {
 	cfg.Upstream.ContextWindow = 6000
 	p := newTestProxy(t, cfg)
 	a := newAgent()
-	for a.step < 24 {
+	for a.step < 20 {
 		a.toolStep(800)
 	}
 	extra := `,"tools":[{"type":"function","function":{"name":"run","parameters":{"type":"object"}}}],"temperature":0.2,"n_predict":16,"ignore_eos":true,"grammar":"root ::= \"x\"","json_schema":{"type":"object"},"guided_regex":"x+","min_tokens":9,"max_tokens":300}`
