@@ -14,7 +14,7 @@ help:
 	@echo "make build     static binary in $(BIN) (CGO off, -trimpath, version $(VERSION))"
 	@echo "make run       go run ./cmd/compactproxy (upstream: llama-server at http://127.0.0.1:8080/v1 unless COMPACTPROXY_UPSTREAM_URL is set)"
 	@echo "make test      e2e dependencies + go test -race -count=1 ./... (what CI runs)"
-	@echo "make agent-matrix  the real-agent test's whole matrix, opencode's and Codex/Claude Code's large reads included (not part of make test)"
+	@echo "make agent-matrix  the real-agent test's whole matrix, opencode's and Codex/Claude Code's large reads and qwen-code at 16k included (not part of make test)"
 	@echo "make bench     go test benchmarks + load harness (not part of make test)"
 	@echo "make bench-profile  pprof CPU profile of compactproxy under the harness (PROFILE_SCENARIO, PROFILE_CONCURRENCY)"
 	@echo "make soak      1,000 streams for 60 s, direct vs through compactproxy (not part of make test)"
@@ -48,9 +48,10 @@ export LLAMA_MODEL ?= $(abspath $(wildcard $(LLAMA_DIR)/models/stories260K.gguf)
 export LLAMA_TEMPLATES_DIR ?= $(abspath $(wildcard $(LLAMA_DIR)/templates))
 export LLAMA_MODELS_DIR ?= $(abspath $(wildcard $(LLAMA_DIR)/models))
 
-# Installs the real-agent test's agent CLIs (the pi coding agent and, on
-# linux-x64, the binaries of opencode, Codex CLI and Claude Code, from
-# test/agent/package-lock.json); test/agent drives them through the binary.
+# Installs the real-agent test's agent CLIs (the pi coding agent, qwen-code
+# and, on linux-x64, the binaries of opencode, Codex CLI, Claude Code and the
+# Node 22 qwen-code runs with, from test/agent/package-lock.json); test/agent
+# drives them through the binary.
 agent-deps:
 	./scripts/agent-deps.sh
 
@@ -80,9 +81,10 @@ llama-matrix: e2e-deps
 
 # Not part of `make test`: test/agent's whole matrix, pi and opencode over
 # both workloads at 16k and 32k (make test runs all but opencode's
-# large_reads), Codex CLI and Claude Code at 40k with larger reads too (make
-# test runs one read size each). Run as root on linux-x64 for opencode, Codex
-# and Claude Code (they run in network namespaces of their own).
+# large_reads), qwen-code at 16k and 32k (make test runs 32k), Codex CLI and
+# Claude Code at 40k with larger reads too (make test runs one read size
+# each). Run as root on linux-x64 for opencode, qwen-code, Codex and Claude
+# Code (they run in network namespaces of their own).
 agent-matrix: agent-deps
 	AGENT_MATRIX=1 $(GO) test -count=1 -timeout 30m -v -run 'TestRealAgentThroughCompactproxy|TestCodexAndClaudeCode' ./test/agent/
 

