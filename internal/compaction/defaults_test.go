@@ -246,3 +246,56 @@ func TestFixedPartOverBudgetStillFitsTheWindow(t *testing.T) {
 		t.Fatalf("forwarded %d tokens over the window %d while a smaller view exists (%s)", got, window, roles(out.Messages))
 	}
 }
+
+// TestFoldsTheTurnBeforeTheFloorRatherThanDrop is qwen-code's third
+// request at 16k (test/agent): a fixed part of 87% of the budget, the
+// task as the only user message (the ask, re-inserted after a summary),
+// a listing and a read. keep_tail's floor reaches back to the listing, so
+// a summary cut there folds only the task it re-inserts: nothing. The
+// listing's turn goes into a summary instead of being dropped (DESIGN: a
+// drop is never chosen while a summary fits).
+func TestFoldsTheTurnBeforeTheFloorRatherThanDrop(t *testing.T) {
+	cfg := defaultConfig()
+	build := func(system int) []chat.Message {
+		return parse(t, []msg{
+			sysMsg(blob("system prompt and tools", system)), // ~10,900 tokens
+			userMsg(blob("environment and task", 2560)),     // ~640
+			// The listing's turn: the model's reasoning, then a listing
+			// that an excerpt shortens, not enough.
+			callMsg(blob("reasoning", 1500), `ls:run_shell_command:{"command":"ls -R"}`), toolMsg("ls", blob("listing", 3480)),
+			callMsg("", `r1:read_file:{"file_path":"/p/a.go"}`), toolMsg("r1", blob("a.go", 2000)),
+		})
+	}
+	// The upstream measured the view at 3 bytes a token (the agent test's
+	// mock), a third more than the estimate.
+	plan := func(msgs []chat.Message, sum summarizer) Output {
+		return newDriver(cfg, sum, nil).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
+			Window: 16384, MaxTokens: 32000, Estimate: fakeEstimate, Measured: fakeEstimate(msgs).Tokens * 4 / 3})
+	}
+	// Every size of the fixed part under the budget, from a view that
+	// fits to one whose floor alone does not.
+	summarized := 0
+	for n := 28000; n < 40000; n += 40 {
+		msgs := build(n)
+		out := plan(msgs, okSummarizer())
+		if out.Fixed >= out.Budget {
+			break
+		}
+		checkView(t, msgs, out)
+		// A summary fits where the dropped view leaves it its least room
+		// (summary_min_tokens) and its label.
+		if out.Action == ActionDropped && fakeEstimate(out.Messages).Tokens*4/3+cfg.SummaryMinTokens+80 <= out.Budget {
+			t.Fatalf("system prompt of %d bytes: dropped while a summary of the listing's turn fits (fixed %d, budget %d): %s",
+				n, out.Fixed, out.Budget, roles(out.Messages))
+		}
+		if out.Action == ActionSummarized {
+			summarized++
+			if count(out.Messages, msgs[1].Raw) != 1 || verbatimTail(msgs, out.Messages) < 2 {
+				t.Fatalf("system prompt of %d bytes: the task (re-inserted) and the final turn must stay verbatim: %s", n, roles(out.Messages))
+			}
+		}
+	}
+	if summarized == 0 {
+		t.Fatal("setup: no size summarized")
+	}
+}

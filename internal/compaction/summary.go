@@ -151,20 +151,25 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 		// the view is over the budget: only a later cut can help.
 		cut = headStart
 	}
-	if room < cfg.minRoom() {
-		// The tail's floor itself leaves no summary room (a small window
-		// with a large fixed part: keep_tail spans two turns). Its older
-		// turns go into the summary, never past the final message's turn:
-		// otherwise they would be dropped, and their content lost.
+	// short: a cut whose summary has less than its least room, or folds
+	// less than that (a head that holds only the ask it re-inserts).
+	short := func(room, withoutHead int) bool { return room < cfg.minRoom() || cur-withoutHead < cfg.minRoom() }
+	if short(room, withoutHead) {
+		// The tail's floor itself leaves no summary room, or nothing to
+		// fold (a small window with a large fixed part: keep_tail spans
+		// two turns; an agent whose only instruction is its first
+		// message). Its older turns go into the summary, never past the
+		// final message's turn: otherwise they would be dropped, and their
+		// content lost.
 		final := r.n - 1
 		for final > cut && isToolRole(r.msgs[final].Role) {
 			final--
 		}
-		for c := cut + 1; c <= final && room < cfg.minRoom(); c++ {
+		for c := cut + 1; c <= final && short(room, withoutHead); c++ {
 			if isToolRole(r.msgs[c].Role) {
 				continue
 			}
-			if cc, cb, cw, cr := measure(c); cr >= cfg.minRoom() {
+			if cc, cb, cw, cr := measure(c); !short(cr, cw) {
 				cut, cand, base, withoutHead, room = c, cc, cb, cw, cr
 			}
 		}
