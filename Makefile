@@ -14,7 +14,7 @@ help:
 	@echo "make build     static binary in $(BIN) (CGO off, -trimpath, version $(VERSION))"
 	@echo "make run       go run ./cmd/compactproxy (upstream: llama-server at http://127.0.0.1:8080/v1 unless COMPACTPROXY_UPSTREAM_URL is set)"
 	@echo "make test      e2e dependencies + go test -race -count=1 ./... (what CI runs)"
-	@echo "make agent-matrix  the real-agent test's whole matrix, opencode's and Codex/Claude Code's large reads and qwen-code at 16k included (not part of make test)"
+	@echo "make agent-matrix  the real-agent test's whole matrix, opencode's and Codex/Claude Code's large reads included (not part of make test)"
 	@echo "make bench     go test benchmarks + load harness (not part of make test)"
 	@echo "make bench-profile  pprof CPU profile of compactproxy under the harness (PROFILE_SCENARIO, PROFILE_CONCURRENCY)"
 	@echo "make soak      1,000 streams for 60 s, direct vs through compactproxy (not part of make test)"
@@ -81,7 +81,7 @@ llama-matrix: e2e-deps
 
 # Not part of `make test`: test/agent's whole matrix, pi and opencode over
 # both workloads at 16k and 32k (make test runs all but opencode's
-# large_reads), qwen-code at 16k and 32k (make test runs 32k), Codex CLI and
+# large_reads), qwen-code at 16k and 32k (make test runs both), Codex CLI and
 # Claude Code at 40k with larger reads too (make test runs one read size
 # each). Run as root on linux-x64 for opencode, qwen-code, Codex and Claude
 # Code (they run in network namespaces of their own).
