@@ -247,13 +247,14 @@ func TestFixedPartOverBudgetStillFitsTheWindow(t *testing.T) {
 	}
 }
 
-// TestFoldsTheTurnBeforeTheFloorRatherThanDrop is qwen-code's third
-// request at 16k (test/agent): a fixed part of 87% of the budget, the
-// task as the only user message (the ask, re-inserted after a summary),
-// a listing and a read. keep_tail's floor reaches back to the listing, so
-// a summary cut there folds only the task it re-inserts: nothing. The
-// listing's turn goes into a summary instead of being dropped (DESIGN: a
-// drop is never chosen while a summary fits).
+// TestFoldsTheTurnBeforeTheFloorRatherThanDrop sweeps the size of the
+// fixed part under qwen-code's third request at 16k (test/agent): the task
+// as the only user message (the ask, re-inserted after a summary), a
+// listing and a read, keep_tail's floor reaching back to the listing. Where
+// a summary fits beside the floor, no size may answer with a drop (DESIGN:
+// a drop is never chosen while a summary fits). The real-agent case
+// qwen-code/16k is the one that failed before the fix (a cut at the floor
+// folded only the task it re-inserts); this sweep guards the planner's side.
 func TestFoldsTheTurnBeforeTheFloorRatherThanDrop(t *testing.T) {
 	cfg := defaultConfig()
 	build := func(system int) []chat.Message {
@@ -297,5 +298,83 @@ func TestFoldsTheTurnBeforeTheFloorRatherThanDrop(t *testing.T) {
 	}
 	if summarized == 0 {
 		t.Fatal("setup: no size summarized")
+	}
+}
+
+// TestSummaryLimitShareOfTheRoom: a new summary is asked for at most an
+// eighth of the room (never under summary_min_tokens), so that at small
+// windows the summary every later step carries, and every compaction
+// evaluates again, stays small; from 16k on the limit is
+// summarizer.max_tokens.
+func TestSummaryLimitShareOfTheRoom(t *testing.T) {
+	for _, window := range []int{8192, 16384, 32768} {
+		cfg := defaultConfig()
+		conv := []msg{sysMsg("You are a coding agent."), userMsg(ask)}
+		// Reads under the trim threshold, 3.4 window's worth of bytes: a
+		// view over the trigger that only a summary brings down.
+		for i := 0; i < window*34/10/3600; i++ {
+			id := fmt.Sprintf("s%d", i)
+			conv = append(conv, callMsg("", id+`:read:{}`), toolMsg(id, blob(id, 3600)))
+		}
+		msgs := parse(t, conv)
+		sum := sizedSummarizer(4)
+		c := struct{ window int }{window}
+		out := newDriver(cfg, sum, nil).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
+			Window: c.window, Estimate: fakeEstimate, SummaryInUpstreamTokens: true})
+		if sum.Calls() != 1 || out.Action != ActionSummarized {
+			t.Fatalf("window %d, setup: %d summarize calls, action %q", c.window, sum.Calls(), out.Action)
+		}
+		room := out.Budget - out.Fixed
+		want := min(cfg.SummaryTokens, max(room/8, cfg.SummaryMinTokens))
+		if got := sum.reqs[0].MaxTokens; got != want {
+			t.Errorf("window %d (room %d): summary asked for %d tokens, want %d", c.window, room, got, want)
+		}
+	}
+}
+
+// TestReadyBackgroundSummaryBeforeTrim: the request that crosses the
+// trigger re-applies the background summary made for it, before any trim
+// of the head that summary replaces. A trim first changed the forwarded
+// prefix (the upstream re-evaluated everything after the first excerpt)
+// and the stored summary came one crossing later, a second re-evaluation
+// (32k real-tokenizer loop: "trimmed" at step 18, "reused" at 23).
+func TestReadyBackgroundSummaryBeforeTrim(t *testing.T) {
+	cfg := defaultConfig()
+	conv := []msg{sysMsg("You are a coding agent."), userMsg(ask)}
+	add := func(i, size int) {
+		id := fmt.Sprintf("s%d", i)
+		conv = append(conv, callMsg("", id+`:read:{}`), toolMsg(id, blob(id, size)))
+	}
+	// Long reads first (trimmable), then short ones.
+	for i := 0; i < 4; i++ {
+		add(i, 12000)
+	}
+	for i := 4; i < 12; i++ {
+		add(i, 1400)
+	}
+	d := newDriver(cfg, sizedSummarizer(4), nil)
+	var st State
+	for i := 12; ; i++ {
+		msgs := parse(t, conv)
+		out := d.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 32768, State: st,
+			Estimate: fakeEstimate, SummaryInUpstreamTokens: true})
+		if out.StateChanged {
+			st = out.State
+		}
+		if out.Action != ActionNone {
+			if st.Pending != nil || out.Action != ActionReused {
+				t.Fatalf("step %d crossed the trigger (%d of %d) with a background summary ready: action %q, want reused", i, out.Context.Tokens, out.Trigger, out.Action)
+			}
+			return
+		}
+		bg := d.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 32768, State: st,
+			Estimate: fakeEstimate, SummaryInUpstreamTokens: true, Pass: PassBackground})
+		if bg.StateChanged {
+			st = bg.State
+		}
+		if i > 40 {
+			t.Fatal("setup: never crossed the trigger")
+		}
+		add(i, 1400)
 	}
 }

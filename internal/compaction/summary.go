@@ -226,8 +226,9 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 	}
 	// Ask for no more than can be used: the room, and half of what the
 	// summary folds (small local models write to their limit; a summary
-	// is never asked to be as large as the history it replaces).
-	limit := min(cfg.SummaryTokens, room, max(headTokens/2, 1))
+	// is never asked to be as large as the history it replaces); and no
+	// more than summaryShare of the room (never under its least room).
+	limit := min(cfg.SummaryTokens, room, max(headTokens/2, 1), max(r.room/summaryShare, cfg.minRoom()))
 
 	n := r.n
 	if r.st.Latched {
@@ -326,6 +327,14 @@ func (r *run) summaryWithheld(p plan, cur, headStart, budget int) bool {
 	fresh := r.est(r.prefixView(p, r.tail)) - r.est(r.prefixView(p, headStart))
 	return fresh < r.progress()
 }
+
+// summaryShare: a new summary is asked for at most room/summaryShare
+// tokens. Every compaction evaluates the summary again, and every step
+// after it carries it: at an 8k window summarizer.max_tokens (1,024) is
+// 18% of the room, where the next compaction comes sooner and costs more
+// of the prompt cache; from a 16k window on the limit is
+// summarizer.max_tokens.
+const summaryShare = 8
 
 // progress is the least history not yet summarized that a new summary
 // must fold (the progress guard): summary_min_tokens, or a quarter of the

@@ -81,7 +81,7 @@ type Compaction struct {
 	// PresummarizeRatio: after a response whose next request would be over
 	// this share of the room but under the trigger, the head is summarized
 	// in the background and stored; 0 = off.
-	PresummarizeRatio float64       `mapstructure:"presummarize_ratio" yaml:"presummarize_ratio"` // 0.7
+	PresummarizeRatio float64       `mapstructure:"presummarize_ratio" yaml:"presummarize_ratio"` // 0.75
 	MinInterval       time.Duration `mapstructure:"min_interval" yaml:"min_interval"`             // 60s; 0 disables the throttle
 	LatchGrowth       int           `mapstructure:"latch_growth" yaml:"latch_growth"`             // 20
 	Trim              Trim          `mapstructure:"trim" yaml:"trim"`
@@ -184,7 +184,7 @@ func Default() Config {
 			KeepTail:            3,
 			TailRatio:           0.15,
 			SummaryMinTokens:    256,
-			PresummarizeRatio:   0.7,
+			PresummarizeRatio:   0.75,
 			MinInterval:         60 * time.Second,
 			LatchGrowth:         20,
 			Trim:                Trim{ToolResultTokens: 1024},
