@@ -67,7 +67,7 @@ const (
 	DefaultTrimToolResultTokens = 1024
 	DefaultSummaryTokens        = 1024
 	DefaultSummaryMinTokens     = 256
-	DefaultTailRatio            = 0.15
+	DefaultTailRatio            = 0.1
 )
 
 // SummaryRequest is the summary a decision asks for (Output.Need): what to
@@ -471,9 +471,12 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 	// trigger re-applies (it costs no model call), before any trim: a trim
 	// of the head it replaces would change the forwarded prefix (the
 	// upstream re-evaluates everything after it) for a view that the
-	// summary changes again at the next crossing.
+	// summary changes again at the next crossing. Not when it leaves the
+	// view over the budget: the steps below size a summary with the
+	// tail's excerpts and later cuts (small windows) before any drop.
 	if cfg.SummarizerEnabled {
-		if q, e, ok := r.applyPending(p, *p, headStart, cur); ok {
+		if q, e, ok := r.pendingPlan(*p, headStart, cur); ok && e <= budget {
+			r.takePending(true)
 			*p, cur = q, e
 			headStart = p.headStart(r.lead)
 			if cur < target {

@@ -52,11 +52,12 @@ func (r *run) rejoined(s Summary) *Summary {
 	return &s
 }
 
-// applyPending applies the background summary when its head still matches
-// the client's chain, it lies within the current head and it shrinks the
-// view: no model call on the request that crosses the trigger. base is the
-// plan without the head (its trims after the cut are kept).
-func (r *run) applyPending(p *plan, base plan, headStart, cur int) (plan, int, bool) {
+// pendingPlan is base (the plan without the head; its trims after the cut
+// are kept) with the background summary applied, and its estimate, when
+// that summary's head still matches the client's chain, it lies within the
+// current head and it shrinks the view: no model call on the request that
+// crosses the trigger.
+func (r *run) pendingPlan(base plan, headStart, cur int) (plan, int, bool) {
 	ps := r.st.Pending
 	if ps == nil || !r.chain || ps.Lead != r.lead || ps.Cut <= headStart || ps.Cut > max(r.tail, r.floor) ||
 		ps.Cut >= r.n || r.in.Chain[ps.Cut] != ps.Head {
@@ -68,10 +69,18 @@ func (r *run) applyPending(p *plan, base plan, headStart, cur int) (plan, int, b
 	if e >= cur {
 		return plan{}, 0, false
 	}
+	return q, e, true
+}
+
+// takePending records that the background summary is applied: it leaves
+// Pending and, a summary that worked, releases the latch (not when it
+// stands in for a new summary that just failed).
+func (r *run) takePending(release bool) {
 	r.st.Pending = nil
 	r.usedPending = true
-	r.st.Latched, r.st.LatchCount = false, 0
-	return q, e, true
+	if release {
+		r.st.Latched, r.st.LatchCount = false, 0
+	}
 }
 
 // keptAfter returns what follows prefix in view when prefix is, byte for
@@ -215,10 +224,21 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 		return cur, false // no summary fits: step 4
 	}
 	// A background summary that is ready costs no model call: it applies
-	// whatever the guard, which is about calls.
-	if q, e, ok := r.applyPending(p, base, headStart, cur); ok {
-		*p = q
-		return e, true
+	// whatever the guard, which is about calls. One that leaves the view
+	// over the budget (the client's newest turn was large) is kept for
+	// when no new summary can be made now: a new one folds from the cut
+	// as it is now, and a drop is never chosen while a summary fits.
+	failed := func() (int, bool) { return cur, false }
+	if q, e, ok := r.pendingPlan(base, headStart, cur); ok {
+		take := func(release bool) (int, bool) {
+			r.takePending(release)
+			*p = q
+			return e, true
+		}
+		if e <= budget {
+			return take(true)
+		}
+		failed = func() (int, bool) { return take(!r.st.Latched) }
 	}
 	if fresh < r.progress() && cur <= budget && !r.progressed {
 		r.guarded = true
@@ -227,14 +247,19 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 	// Ask for no more than can be used: the room, and half of what the
 	// summary folds (small local models write to their limit; a summary
 	// is never asked to be as large as the history it replaces); and no
-	// more than summaryShare of the room (never under its least room).
-	limit := min(cfg.SummaryTokens, room, max(headTokens/2, 1), max(r.room/summaryShare, cfg.minRoom()))
+	// more than 1/summaryShare of the room where that is at least a
+	// summary's least room (under ~4k windows it is not, and a summary
+	// there is sized by the room alone).
+	limit := min(cfg.SummaryTokens, room, max(headTokens/2, 1))
+	if share := r.room / summaryShare; share >= cfg.minRoom() {
+		limit = min(limit, share)
+	}
 
 	n := r.n
 	if r.st.Latched {
 		if n < r.st.LatchCount+cfg.LatchGrowth {
 			r.ev.Suppressed = SuppressedLatch
-			return cur, false
+			return failed()
 		}
 		r.st.Latched = false
 	}
@@ -242,7 +267,7 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 	if cfg.MinInterval > 0 && r.in.Pass != PassRecover && !r.st.LastAttempt.IsZero() &&
 		r.st.LastAttemptCount == n && now.Sub(r.st.LastAttempt) < cfg.MinInterval {
 		r.ev.Suppressed = SuppressedThrottle
-		return cur, false
+		return failed()
 	}
 	if cfg.Shadow {
 		r.due = true // shadow decides and reports, never asks
@@ -308,7 +333,7 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 		r.st.Latched, r.st.LatchCount = cfg.LatchGrowth > 0, n
 		r.ev.LatchEngaged = cfg.LatchGrowth > 0
 	}
-	return cur, false
+	return failed()
 }
 
 // summaryWithheld tells whether the progress guard withholds a summary of
@@ -329,7 +354,7 @@ func (r *run) summaryWithheld(p plan, cur, headStart, budget int) bool {
 }
 
 // summaryShare: a new summary is asked for at most room/summaryShare
-// tokens. Every compaction evaluates the summary again, and every step
+// tokens, where that is at least summary_min_tokens. Every compaction evaluates the summary again, and every step
 // after it carries it: at an 8k window summarizer.max_tokens (1,024) is
 // 18% of the room, where the next compaction comes sooner and costs more
 // of the prompt cache; from a 16k window on the limit is

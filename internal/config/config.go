@@ -74,14 +74,14 @@ type Compaction struct {
 	KeepTail      int     `mapstructure:"keep_tail" yaml:"keep_tail"`           // 3
 	// TailRatio: the verbatim tail extends by whole turns up to this share
 	// of the room (budget − fixed part); 0 = keep_tail only.
-	TailRatio float64 `mapstructure:"tail_ratio" yaml:"tail_ratio"` // 0.15
+	TailRatio float64 `mapstructure:"tail_ratio" yaml:"tail_ratio"` // 0.1
 	// SummaryMinTokens: a summary is attempted only when at least this much
 	// room is left for it.
 	SummaryMinTokens int `mapstructure:"summary_min_tokens" yaml:"summary_min_tokens"` // 256
 	// PresummarizeRatio: after a response whose next request would be over
 	// this share of the room but under the trigger, the head is summarized
 	// in the background and stored; 0 = off.
-	PresummarizeRatio float64       `mapstructure:"presummarize_ratio" yaml:"presummarize_ratio"` // 0.75
+	PresummarizeRatio float64       `mapstructure:"presummarize_ratio" yaml:"presummarize_ratio"` // 0.7
 	MinInterval       time.Duration `mapstructure:"min_interval" yaml:"min_interval"`             // 60s; 0 disables the throttle
 	LatchGrowth       int           `mapstructure:"latch_growth" yaml:"latch_growth"`             // 20
 	Trim              Trim          `mapstructure:"trim" yaml:"trim"`
@@ -182,9 +182,9 @@ func Default() Config {
 			TargetRatio:         0.60,
 			ReserveTokens:       4096,
 			KeepTail:            3,
-			TailRatio:           0.15,
+			TailRatio:           0.1,
 			SummaryMinTokens:    256,
-			PresummarizeRatio:   0.75,
+			PresummarizeRatio:   0.7,
 			MinInterval:         60 * time.Second,
 			LatchGrowth:         20,
 			Trim:                Trim{ToolResultTokens: 1024},

@@ -256,7 +256,7 @@ var cases = []runCase{
 	{agent: pi, wl: pacedReads, window: 32768, minCacheReuse: 0.8, maxSummarizePerStep: 0.34},
 	// The large fixed part: opencode's system prompt and tools are 84% of
 	// the 16k budget, leaving a room of ~2,070 tokens; a paced read is
-	// ~400 (19% of it) and the tail keeps tail_ratio (0.15) of the room, so
+	// ~400 (19% of it) and the tail keeps tail_ratio (0.1) of the room, so
 	// a compaction is due about every two steps: at most 0.6 summarize
 	// calls per step (measured 0.49).
 	{agent: opencode, wl: pacedReads, window: 16384, largeFixed: true, maxSummarizePerStep: 0.6},

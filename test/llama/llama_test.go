@@ -91,8 +91,8 @@ func (c llamaConfig) model() string {
 
 // smallWindow is the profile a user at a 2–4k window can choose
 // (docs/configuration.md, "Small windows"): compact later, start the
-// background summary later, keep a shorter tail. DESIGN's defaults are set
-// for large windows, where a step appends 1–3% of the room; here a step
+// background summary later (the tail is the default's, 0.1 of the room).
+// The defaults are set for windows of 8k and more; here a step
 // appends 7–18% of it, and each compaction evaluates the summary, the
 // instruction and the tail again, so how often it comes decides the cache.
 const smallWindow = "small"
@@ -101,7 +101,6 @@ const smallWindow = "small"
 var smallWindowSettings = []string{
 	"COMPACTPROXY_COMPACTION_TRIGGER_RATIO=0.95",
 	"COMPACTPROXY_COMPACTION_PRESUMMARIZE_RATIO=0.9",
-	"COMPACTPROXY_COMPACTION_TAIL_RATIO=0.15",
 }
 
 // resolvePath takes a path as given, else relative to the repository root
