@@ -339,8 +339,10 @@ type run struct {
 	floor int  // the tail's floor: keep_tail messages, never opening on a tool result
 	keep  int  // Trim.Keep for new trims of step 1
 	scale float64
-	// room is the budget less the fixed part (0 until known).
+	// room is the budget less the fixed part (0 until known); fixed is
+	// that part.
 	room  int
+	fixed int
 	ratio float64 // provider tokens per local token (Estimate.Ratio)
 	st    State
 	ev    Events
@@ -432,7 +434,7 @@ func (r *run) compact() Output {
 	// messages and the request's overhead, as estimated).
 	out.Fixed = r.est(r.msgs[:r.lead:r.lead])
 	room := out.Budget - out.Fixed
-	r.room = room
+	r.room, r.fixed = room, out.Fixed
 	if room <= 0 {
 		// The fixed part alone fills the budget: no summary has room, and
 		// that is said (Events.Impossible). The window may still hold the
@@ -467,24 +469,6 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 	cfg := r.cfg
 	headStart := p.headStart(r.lead)
 
-	// A background summary that is ready is what the request crossing the
-	// trigger re-applies (it costs no model call), before any trim: a trim
-	// of the head it replaces would change the forwarded prefix (the
-	// upstream re-evaluates everything after it) for a view that the
-	// summary changes again at the next crossing. Not when it leaves the
-	// view over the budget: the steps below size a summary with the
-	// tail's excerpts and later cuts (small windows) before any drop.
-	if cfg.SummarizerEnabled {
-		if q, e, ok := r.pendingPlan(*p, headStart, cur); ok && e <= budget {
-			r.takePending(true)
-			*p, cur = q, e
-			headStart = p.headStart(r.lead)
-			if cur < target {
-				return cur
-			}
-		}
-	}
-
 	// The progress guard, before anything changes the forwarded prefix: a
 	// view within the budget whose history not yet summarized is under
 	// the guard's amount goes as it is. Trimming it would change the
@@ -500,8 +484,16 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 	r.progressed = true
 
 	// 1. Trim tool results outside the leading system messages and the
-	// protected tail, oldest first.
-	if cands := r.trimCandidates(*p, headStart, max(r.tail, headStart), r.long()); len(cands) > 0 {
+	// protected tail, oldest first; not in the head a ready background
+	// summary replaces: the request crossing the trigger re-applies that
+	// summary (step 2, no model call), and a trim there would change the
+	// forwarded prefix (the upstream re-evaluates everything after it)
+	// only to keep that summary stored until a later crossing, older.
+	trimFrom := headStart
+	if _, _, ok := r.pendingPlan(*p, headStart, cur); ok {
+		trimFrom = r.st.Pending.Cut
+	}
+	if cands := r.trimCandidates(*p, trimFrom, max(r.tail, headStart), r.long()); len(cands) > 0 {
 		var reached bool
 		cur, reached = r.applyTrims(p, cands, r.keep, target)
 		if reached {

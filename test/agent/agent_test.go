@@ -851,9 +851,10 @@ func testAgent(t *testing.T, root, bin string, c runCase, mc maxCase) {
 	mock := newMockModel(t, window, c.agent.rate, project, task, finalText, wl.pairAt, files)
 	// The defaults, but for what a user must set: the upstream (set by
 	// startProxy) and the window, which the mock does not advertise.
-	proxy := startProxy(t, bin, mock.baseURL(),
-		"COMPACTPROXY_UPSTREAM_CONTEXT_WINDOW="+strconv.Itoa(window),
-	)
+	// AGENT_PROXY_ENV adds settings for an experiment (space-separated
+	// NAME=value), never in make test.
+	settings := append([]string{"COMPACTPROXY_UPSTREAM_CONTEXT_WINDOW=" + strconv.Itoa(window)}, strings.Fields(os.Getenv("AGENT_PROXY_ENV"))...)
+	proxy := startProxy(t, bin, mock.baseURL(), settings...)
 
 	run, rec := c.agent.run(t, root, project, proxy.URL, window, maxTokens, maxField)
 	allTurns, recOthers := rec.snapshot()
