@@ -624,18 +624,8 @@ func runOpencode(t *testing.T, root, project, target string, window, maxTokens i
 	defer cancel()
 	cmd := exec.CommandContext(ctx, filepath.Join(root, opencodeBin), "run", "--pure", "--print-logs", "--log-level", "WARN", task)
 	cmd.Dir = project
-	cmd.Env = []string{
-		"PATH=" + os.Getenv("PATH"),
-		"HOME=" + home,
-		"TMPDIR=" + home,
-		"XDG_CONFIG_HOME=" + filepath.Join(home, ".config"),
-		"XDG_DATA_HOME=" + filepath.Join(home, ".local", "share"),
-		"XDG_CACHE_HOME=" + filepath.Join(home, ".cache"),
-		"XDG_STATE_HOME=" + filepath.Join(home, ".local", "state"),
-		"LANG=C.UTF-8",
-		"TERM=dumb",
-		"NO_COLOR=1",
-		"OPENCODE_CONFIG=" + configPath,
+	cmd.Env = append(homeEnv(home),
+		"OPENCODE_CONFIG="+configPath,
 		"OPENCODE_DISABLE_PROJECT_CONFIG=1",
 		"OPENCODE_DISABLE_AUTOUPDATE=1",
 		"OPENCODE_DISABLE_MODELS_FETCH=1",
@@ -646,36 +636,29 @@ func runOpencode(t *testing.T, root, project, target string, window, maxTokens i
 		"OPENCODE_DISABLE_EXTERNAL_SKILLS=1",
 		"OPENCODE_DISABLE_AUTOCOMPACT=1",
 		"OPENCODE_DISABLE_PRUNE=1",
-	}
-	var stdout, stderr lockedBuffer
-	cmd.Stdout, cmd.Stderr = &stdout, &stderr
-	cmd.WaitDelay = 5 * time.Second
-
+	)
 	// Probed from inside the namespace before opencode starts: the
 	// recorder's target (compactproxy or the mock, on the host's loopback)
 	// and an address past loopback must both be out of reach.
-	u, err := url.Parse(target)
-	if err != nil {
-		t.Fatal(err)
+	return runInNetns(t, cmd, target)
+}
+
+// homeEnv is the environment an agent binary in its network namespace
+// starts from: PATH, a temporary home for everything it writes, a plain
+// terminal.
+func homeEnv(home string) []string {
+	return []string{
+		"PATH=" + os.Getenv("PATH"),
+		"HOME=" + home,
+		"TMPDIR=" + home,
+		"XDG_CONFIG_HOME=" + filepath.Join(home, ".config"),
+		"XDG_DATA_HOME=" + filepath.Join(home, ".local", "share"),
+		"XDG_CACHE_HOME=" + filepath.Join(home, ".cache"),
+		"XDG_STATE_HOME=" + filepath.Join(home, ".local", "state"),
+		"LANG=C.UTF-8",
+		"TERM=dumb",
+		"NO_COLOR=1",
 	}
-	probe := []string{u.Host, "192.0.2.1:443"}
-	start := time.Now()
-	ln, probes, wait, err := startInLoopbackNetns(cmd, nsPort, probe)
-	if err != nil {
-		t.Fatalf("opencode in its network namespace: %v", err)
-	}
-	rec := newRecorderOn(t, target, ln)
-	run := agentRun{}
-	for i, perr := range probes {
-		if perr == nil {
-			run.guard = append(run.guard, "reachable:"+probe[i])
-		} else {
-			t.Logf("from opencode's namespace, %s is out of reach: %v", probe[i], perr)
-		}
-	}
-	run.err = wait()
-	run.stdout, run.stderr, run.elapsed = stdout.String(), stderr.String(), time.Since(start)
-	return run, rec
 }
 
 // field returns a top-level field's raw JSON, nil when absent.

@@ -170,6 +170,8 @@ func runInNetns(t *testing.T, cmd *exec.Cmd, target string) (agentRun, *recorder
 	for i, perr := range probes {
 		if perr == nil {
 			run.guard = append(run.guard, "reachable:"+probe[i])
+		} else {
+			t.Logf("from %s's namespace, %s is out of reach: %v", filepath.Base(cmd.Path), probe[i], perr)
 		}
 	}
 	run.err = wait()

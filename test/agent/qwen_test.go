@@ -9,7 +9,6 @@ package agent
 import (
 	"context"
 	"fmt"
-	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -102,53 +101,19 @@ func runQwen(t *testing.T, root, project, target string, window, maxTokens int, 
 		"--no-chat-recording", "--output-format", "text",
 		task)
 	cmd.Dir = project
-	cmd.Env = []string{
-		"PATH=" + os.Getenv("PATH"),
-		"HOME=" + home,
-		"TMPDIR=" + home,
-		"XDG_CONFIG_HOME=" + filepath.Join(home, ".config"),
-		"XDG_DATA_HOME=" + filepath.Join(home, ".local", "share"),
-		"XDG_CACHE_HOME=" + filepath.Join(home, ".cache"),
-		"XDG_STATE_HOME=" + filepath.Join(home, ".local", "state"),
-		"LANG=C.UTF-8",
-		"TERM=dumb",
-		"NO_COLOR=1",
+	cmd.Env = append(homeEnv(home),
 		"NO_BROWSER=1",
 		fmt.Sprintf("OPENAI_BASE_URL=http://127.0.0.1:%d/v1", nsPort),
-		"OPENAI_API_KEY=" + apiKey,
+		"OPENAI_API_KEY="+apiKey,
 		"OPENAI_MODEL=mock-model",
 		"QWEN_TELEMETRY_ENABLED=false",
 		"QWEN_USAGE_STATISTICS_ENABLED=false",
 		"QWEN_CODE_SUPPRESS_YOLO_WARNING=1",
-	}
-	var stdout, stderr lockedBuffer
-	cmd.Stdout, cmd.Stderr = &stdout, &stderr
-	cmd.WaitDelay = 5 * time.Second
-
+	)
 	// Probed from inside the namespace before qwen-code starts, as for
 	// opencode: the recorder's target and an address past loopback must
 	// both be out of reach.
-	u, err := url.Parse(target)
-	if err != nil {
-		t.Fatal(err)
-	}
-	probe := []string{u.Host, "192.0.2.1:443"}
-	start := time.Now()
-	ln, probes, wait, err := startInLoopbackNetns(cmd, nsPort, probe)
-	if err != nil {
-		t.Fatalf("qwen-code in its network namespace: %v", err)
-	}
-	rec := newRecorderOn(t, target, ln)
-	run := agentRun{}
-	for i, perr := range probes {
-		if perr == nil {
-			run.guard = append(run.guard, "reachable:"+probe[i])
-		} else {
-			t.Logf("from qwen-code's namespace, %s is out of reach: %v", probe[i], perr)
-		}
-	}
-	run.err = wait()
-	run.stdout, run.stderr, run.elapsed = stdout.String(), stderr.String(), time.Since(start)
+	run, rec := runInNetns(t, cmd, target)
 	if strings.TrimSpace(run.stderr) != "" {
 		t.Logf("qwen-code's stderr: %s", tail(run.stderr, 1500))
 	}
