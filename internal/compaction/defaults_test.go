@@ -378,3 +378,38 @@ func TestReadyBackgroundSummaryBeforeTrim(t *testing.T) {
 		add(i, 1400)
 	}
 }
+
+// TestOversizedNewSummaryGivesWayBeforeTurns: a summary made now that
+// leaves the view over the budget (it came back longer than it was sized
+// for) is shortened before any of the client's turns is dropped (issue 19:
+// no drop while the summarizer answers; seen once at Qwen2.5 2k under
+// -race).
+func TestOversizedNewSummaryGivesWayBeforeTurns(t *testing.T) {
+	cfg := defaultConfig()
+	cfg.ReserveTokens = 64
+	long := &fakeSummarizer{}
+	long.fn = func(call int, head []chat.Message, _ string) (string, error) {
+		long.mu.Lock()
+		limit := long.limits[len(long.limits)-1]
+		long.mu.Unlock()
+		return blob("summary", 4*limit*15/10), nil // half again its limit
+	}
+	conv := []msg{sysMsg(blob("system prompt and tools", 3600)), userMsg(ask)}
+	for i := 0; i < 12; i++ {
+		id := fmt.Sprintf("s%d", i)
+		conv = append(conv, callMsg("", id+`:read:{}`), toolMsg(id, blob(id, 600)))
+	}
+	msgs := parse(t, conv)
+	out := newDriver(cfg, long, nil).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
+		Window: 2048, Estimate: fakeEstimate})
+	checkView(t, msgs, out)
+	if !out.Events.SummarizeOK {
+		t.Fatalf("setup: the summary was not taken (%v): action %q", out.Events.SummaryError, out.Action)
+	}
+	if slices.Contains(out.Events.NewActions, ActionDropped) {
+		t.Fatalf("dropped the client's turns (%s) while the new summary could give way", roles(out.Messages))
+	}
+	if got := fakeEstimate(out.Messages).Tokens; got > out.Budget {
+		t.Fatalf("forwarded %d over the budget %d", got, out.Budget)
+	}
+}

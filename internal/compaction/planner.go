@@ -541,6 +541,12 @@ func (r *run) overBudget(p *plan, cur, budget, target int) int {
 			cur, _ = r.applyTrims(p, cands, tightKeep, budget+1)
 		}
 	}
+	if cur > budget && p.sum != nil && r.newSum {
+		// A summary made now that leaves the view over the budget was
+		// sized on an estimate the answer proved short (the proxy's
+		// sizing error): it is what gives way, before the client's turns.
+		cur = r.shrinkSummary(p, cur, budget)
+	}
 	if cur > budget {
 		cur = r.dropTurns(p, cur, budget, target)
 	}
