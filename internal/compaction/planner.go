@@ -541,10 +541,11 @@ func (r *run) overBudget(p *plan, cur, budget, target int) int {
 			cur, _ = r.applyTrims(p, cands, tightKeep, budget+1)
 		}
 	}
-	if cur > budget && p.sum != nil && r.newSum {
-		// A summary made now that leaves the view over the budget was
-		// sized on an estimate the answer proved short (the proxy's
-		// sizing error): it is what gives way, before the client's turns.
+	if cur > budget && p.sum != nil && (r.newSum || r.usedPending) {
+		// A summary applied now (made, or ready from the background) that
+		// leaves the view over the budget was sized on an estimate the
+		// answer or the client's newest turn proved short (the proxy's
+		// sizing): it is what gives way, before the client's turns.
 		cur = r.shrinkSummary(p, cur, budget)
 	}
 	if cur > budget {
