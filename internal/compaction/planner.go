@@ -339,10 +339,8 @@ type run struct {
 	floor int  // the tail's floor: keep_tail messages, never opening on a tool result
 	keep  int  // Trim.Keep for new trims of step 1
 	scale float64
-	// room is the budget less the fixed part (0 until known); fixed is
-	// that part.
+	// room is the budget less the fixed part (0 until known).
 	room  int
-	fixed int
 	ratio float64 // provider tokens per local token (Estimate.Ratio)
 	st    State
 	ev    Events
@@ -434,7 +432,7 @@ func (r *run) compact() Output {
 	// messages and the request's overhead, as estimated).
 	out.Fixed = r.est(r.msgs[:r.lead:r.lead])
 	room := out.Budget - out.Fixed
-	r.room, r.fixed = room, out.Fixed
+	r.room = room
 	if room <= 0 {
 		// The fixed part alone fills the budget: no summary has room, and
 		// that is said (Events.Impossible). The window may still hold the

@@ -354,11 +354,11 @@ func (r *run) summaryWithheld(p plan, cur, headStart, budget int) bool {
 }
 
 // summaryShare: a new summary is asked for at most room/summaryShare
-// tokens, where that is at least summary_min_tokens. Every compaction evaluates the summary again, and every step
-// after it carries it: at an 8k window summarizer.max_tokens (1,024) is
-// 18% of the room, where the next compaction comes sooner and costs more
-// of the prompt cache; from a 16k window on the limit is
-// summarizer.max_tokens.
+// tokens, where that is at least summary_min_tokens. Every compaction
+// evaluates the summary again, and every step after it carries it: at an
+// 8k window summarizer.max_tokens (1,024) is 18% of the room, where the
+// next compaction comes sooner and costs more of the prompt cache; from a
+// 16k window on the limit is summarizer.max_tokens.
 const summaryShare = 8
 
 // progress is the least history not yet summarized that a new summary
