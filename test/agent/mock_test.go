@@ -200,7 +200,11 @@ func (m *mockModel) script(v *mockView) ([][]scriptCall, error) {
 	}
 	var steps [][]scriptCall
 	if shell != "" {
-		steps = append(steps, []scriptCall{{Tool: shell, Args: `{"command":"ls -la"}`, Expect: m.files[len(m.files)-1].Name}})
+		// The listing must name a project file: the first, which ls puts
+		// first (retry00.go) and which a shell tool that returns its output
+		// cut short still carries (qwen-code's, once in CI under load, ran
+		// without the last file straight at the mock).
+		steps = append(steps, []scriptCall{{Tool: shell, Args: `{"command":"ls -la"}`, Expect: m.files[0].Name}})
 	}
 	for i := 0; i < len(m.files); i++ {
 		call := func(f projectFile) scriptCall {
