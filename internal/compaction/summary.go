@@ -108,6 +108,14 @@ func (r *run) presummarize(out Output, p plan, cur int) Output {
 		r.in.Chain[ps.Cut] == ps.Head {
 		// The background summary made at an earlier step still applies:
 		// one is enough until the trigger is crossed.
+	} else if c := r.st.LastAttemptCount; c > 0 && c <= r.n && assistantTurns(r.msgs[c:]) <= backgroundRest {
+		// A summary was attempted within the last backgroundRest steps: a
+		// step large enough to reach presummarize_ratio right after it
+		// (at 8k one read can be a third of the room) would otherwise put
+		// summarize calls on consecutive steps. A background call runs
+		// while the client prepares its next request, so it lands on
+		// either step; one step of rest is not enough. A later pass, or
+		// the request that crosses the trigger, makes it.
 	} else if cfg.SummarizerEnabled && r.chain && !cfg.Shadow && r.tail > headStart && r.tail < r.n {
 		q := p
 		r.st.Pending = nil // a new one supersedes it
@@ -122,6 +130,22 @@ func (r *run) presummarize(out Output, p plan, cur int) Output {
 	out.Events = r.ev
 	out.Need = r.need
 	return out
+}
+
+// backgroundRest is how many steps (assistant turns) after a summarize
+// attempt no background summary starts.
+const backgroundRest = 2
+
+// assistantTurns counts the assistant messages in msgs: the turns a
+// conversation took since a point.
+func assistantTurns(msgs []chat.Message) int {
+	n := 0
+	for i := range msgs {
+		if msgs[i].Role == "assistant" {
+			n++
+		}
+	}
+	return n
 }
 
 // summarize runs step 2 (sizing, latch, throttle, the call) and returns the
@@ -163,6 +187,9 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 	// short: a cut whose summary has less than its least room, or folds
 	// less than that (a head that holds only the ask it re-inserts).
 	short := func(room, withoutHead int) bool { return room < cfg.minRoom() || cur-withoutHead < cfg.minRoom() }
+	// refold: no cut leaves a summary its least room, and the one in
+	// place is folded again with what follows it, no larger than it is.
+	refold := false
 	if short(room, withoutHead) {
 		// The tail's floor itself leaves no summary room, or nothing to
 		// fold (a small window with a large fixed part: keep_tail spans
@@ -186,19 +213,23 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 			// No cut leaves a summary its least room: the fixed part, the
 			// ask and the final message's turn fill the budget (a two-read
 			// turn at Qwen2.5 2k). The drop would remove every turn before
-			// the final one and leave the view over the budget all the
-			// same. A new summary no larger than the one it replaces folds
-			// them instead: a view the drop's size, nothing lost.
+			// the final one, keep the summary in place, and leave the view
+			// as large. A new summary folds them instead, into the room
+			// there is, and never larger than the one it replaces: a view
+			// at most the drop's size, nothing lost. The summary in place
+			// may itself be under summary_min_tokens (asked for half of a
+			// small head): that least room is for a summary that opens a
+			// history, not for one that takes the place of another.
 			_, old := r.summarySplit(*p)
-			if old = min(old, cfg.SummaryTokens); old >= cfg.minRoom() {
+			if old = min(old, cfg.SummaryTokens); old > 0 {
 				if final != cut || cand == nil {
-					cand, base, withoutHead, _ = measure(final)
+					cand, base, withoutHead, room = measure(final)
 					cut = final
 				}
-				room = old
+				room, refold = min(old, max(room, summaryFloorBytes/bytesPerToken)), true
 			}
 		}
-		if cand == nil || room < cfg.minRoom() {
+		if cand == nil || (room < cfg.minRoom() && !refold) {
 			return cur, false
 		}
 		r.tail = cut
@@ -220,39 +251,47 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 	// excerpts, re-applying what is stored) keep the view under the
 	// budget; the guard yields when they cannot.
 	fresh := r.est(r.prefixView(*p, cut)) - r.est(r.prefixView(*p, headStart))
-	if room < cfg.minRoom() || headTokens < cfg.minRoom() {
+	if !refold && (room < cfg.minRoom() || headTokens < cfg.minRoom()) {
 		return cur, false // no summary fits: step 4
 	}
 	// A background summary that is ready costs no model call: it applies
-	// whatever the guard, which is about calls. One that leaves the view
-	// over the budget (the client's newest turn was large) is kept for
-	// when no new summary can be made now: a new one folds from the cut
-	// as it is now, and a drop is never chosen while a summary fits.
+	// whatever the guard, which is about calls, when it brings the view
+	// to the target. One that does not (the client's newest turn was
+	// large: at 8k a single read can be a third of the room) would leave
+	// the next request over the trigger again, a summary on the next step
+	// too: it is kept for when no new summary can be made now (latched,
+	// throttled, failed), and a new one folds from the cut as it is now. A
+	// drop is never chosen while a summary fits.
 	failed := func() (int, bool) { return cur, false }
+	pending := false
 	if q, e, ok := r.pendingPlan(base, headStart, cur); ok {
 		take := func(release bool) (int, bool) {
 			r.takePending(release)
 			*p = q
 			return e, true
 		}
-		if e <= budget {
+		if e <= target {
 			return take(true)
 		}
 		failed = func() (int, bool) { return take(!r.st.Latched) }
+		pending = e <= budget
 	}
 	if fresh < r.progress() && cur <= budget && !r.progressed {
+		if pending {
+			return failed() // the guard withholds a call, not a summary made
+		}
 		r.guarded = true
 		return cur, false
 	}
 	// Ask for no more than can be used: the room, and half of what the
 	// summary folds (small local models write to their limit; a summary
 	// is never asked to be as large as the history it replaces); and no
-	// more than 1/summaryShare of the room where that is at least a
-	// summary's least room (under ~4k windows it is not, and a summary
-	// there is sized by the room alone).
+	// more than 1/summaryShare of the room, never under its least room,
+	// from a room of summaryShareFrom times that on (under ~4k windows a
+	// summary is sized by the room alone).
 	limit := min(cfg.SummaryTokens, room, max(headTokens/2, 1))
-	if share := r.room / summaryShare; share >= cfg.minRoom() {
-		limit = min(limit, share)
+	if r.room/summaryShareFrom >= cfg.minRoom() {
+		limit = min(limit, max(r.room/summaryShare, cfg.minRoom()))
 	}
 
 	n := r.n
@@ -354,12 +393,22 @@ func (r *run) summaryWithheld(p plan, cur, headStart, budget int) bool {
 }
 
 // summaryShare: a new summary is asked for at most room/summaryShare
-// tokens, where that is at least summary_min_tokens. Every compaction
-// evaluates the summary again, and every step after it carries it: at an
-// 8k window summarizer.max_tokens (1,024) is 18% of the room, where the
-// next compaction comes sooner and costs more of the prompt cache; from a
-// 16k window on the limit is summarizer.max_tokens.
-const summaryShare = 8
+// tokens, never under summary_min_tokens, where the room is at least
+// summaryShareFrom × summary_min_tokens (from about a 4k window on).
+// Every compaction evaluates the summary again, and every step after it
+// carries it: at an 8k window summarizer.max_tokens (1,024) is 18% of the
+// room; the next compaction comes sooner and costs more of the prompt
+// cache (8k, real Qwen2.5 tokenizer: an eighth, 713 tokens, gave 4
+// summaries and cache reuse 0.843 on the paced loop, 13 and 0.602 on
+// large steps; a twelfth, 475, gave 4, 0.859 and 11, 0.626; a sixteenth
+// cost the 16k large-step loop two summaries on consecutive steps). From
+// 16k on the limit is about summarizer.max_tokens. Under a room of
+// summaryShareFrom × summary_min_tokens (a 2k window) a summary is sized
+// by the room alone: it must hold what the drop would otherwise take.
+const (
+	summaryShare     = 12
+	summaryShareFrom = 8
+)
 
 // progress is the least history not yet summarized that a new summary
 // must fold (the progress guard): summary_min_tokens, or a quarter of the
