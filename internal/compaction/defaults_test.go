@@ -462,6 +462,43 @@ func TestRefoldsASmallSummaryRatherThanDrop(t *testing.T) {
 	}
 }
 
+// readLoop is an agent conversation of reads planned at a window with the
+// defaults, a summarizer that writes to its limit (as the upstream's own
+// model), the state carried from step to step, a minute between steps.
+type readLoop struct {
+	t     *testing.T
+	conv  []msg
+	sum   *fakeSummarizer
+	d     *driver
+	clock *fakeClock
+	st    State
+	win   int
+}
+
+func newReadLoop(t *testing.T, window int) *readLoop {
+	sum, clock := sizedSummarizer(4), newClock()
+	return &readLoop{t: t, conv: []msg{sysMsg("You are a coding agent."), userMsg(ask)}, sum: sum,
+		d: newDriver(defaultConfig(), sum, clock), clock: clock, win: window}
+}
+
+// read appends a turn of one read of size bytes, a minute later.
+func (l *readLoop) read(i, size int) {
+	id := fmt.Sprintf("s%d", i)
+	l.conv = append(l.conv, callMsg("", id+`:read:{}`), toolMsg(id, blob(id, size)))
+	l.clock.Add(time.Minute)
+}
+
+// step plans the conversation as it stands.
+func (l *readLoop) step(pass Pass) Output {
+	msgs := parse(l.t, l.conv)
+	out := l.d.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(l.t, msgs), Window: l.win, State: l.st,
+		Estimate: fakeEstimate, SummaryInUpstreamTokens: true, Pass: pass, Now: l.clock.Now()})
+	if out.StateChanged {
+		l.st = out.State
+	}
+	return out
+}
+
 // TestReadyBackgroundSummaryOverTheTargetGivesWay: a background summary
 // is made for the next request from the view as it is; when that request
 // brings a large turn (at 8k a read can be a third of the room), the
@@ -471,56 +508,36 @@ func TestRefoldsASmallSummaryRatherThanDrop(t *testing.T) {
 // folds from the cut as it is now instead, and the view lands at the
 // target.
 func TestReadyBackgroundSummaryOverTheTargetGivesWay(t *testing.T) {
-	cfg := defaultConfig()
-	conv := []msg{sysMsg("You are a coding agent."), userMsg(ask)}
-	add := func(i, size int) {
-		id := fmt.Sprintf("s%d", i)
-		conv = append(conv, callMsg("", id+`:read:{}`), toolMsg(id, blob(id, size)))
-	}
-	sum := sizedSummarizer(4)
-	d := newDriver(cfg, sum, nil)
-	var st State
-	in := func(pass Pass) Input {
-		msgs := parse(t, conv)
-		return Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 8192, State: st,
-			Estimate: fakeEstimate, SummaryInUpstreamTokens: true, Pass: pass}
-	}
-	step := func(pass Pass) Output {
-		out := d.Compact(context.Background(), in(pass))
-		if out.StateChanged {
-			st = out.State
-		}
-		return out
-	}
+	l := newReadLoop(t, 8192)
 	// Small reads to under half the room, then a read of about a third
 	// of the room: the response to it starts a background summary
 	// (presummarize_ratio), which keeps that read in its tail.
 	for i := 0; ; i++ {
-		add(i, 1200)
-		out := step(PassForward)
+		l.read(i, 1200)
+		out := l.step(PassForward)
 		if out.Context.Tokens >= out.Fixed+(out.Budget-out.Fixed)*45/100 {
 			break
 		}
 	}
-	add(50, 7200)
-	if out := step(PassForward); out.Action != ActionNone || out.Context.Tokens < out.Fixed+(out.Budget-out.Fixed)*7/10 {
+	l.read(50, 7200)
+	if out := l.step(PassForward); out.Action != ActionNone || out.Context.Tokens < out.Fixed+(out.Budget-out.Fixed)*7/10 {
 		t.Fatalf("setup: the large read gave action %q at %d (trigger %d)", out.Action, out.Context.Tokens, out.Trigger)
 	}
-	step(PassBackground)
-	if st.Pending == nil {
+	l.step(PassBackground)
+	if l.st.Pending == nil {
 		t.Fatal("setup: no background summary")
 	}
 	// The next request: a turn of two such reads.
-	calls := sum.Calls()
-	conv = append(conv, callMsg("", `p1:read:{}`, `p2:read:{}`), toolMsg("p1", blob("p1", 3600)), toolMsg("p2", blob("p2", 3600)))
-	out := step(PassForward)
-	checkView(t, parse(t, conv), out)
+	calls := l.sum.Calls()
+	l.conv = append(l.conv, callMsg("", `p1:read:{}`, `p2:read:{}`), toolMsg("p1", blob("p1", 3600)), toolMsg("p2", blob("p2", 3600)))
+	out := l.step(PassForward)
+	checkView(t, parse(t, l.conv), out)
 	if out.Forwarded > out.Target {
 		t.Fatalf("action %q: the view landed at %d, over the target %d (trigger %d): the next request summarizes again",
 			out.Action, out.Forwarded, out.Target, out.Trigger)
 	}
-	if out.Action != ActionSummarized || sum.Calls() != calls+1 {
-		t.Fatalf("action %q after %d calls, want one new summary (view %d, target %d)", out.Action, sum.Calls()-calls, out.Forwarded, out.Target)
+	if out.Action != ActionSummarized || l.sum.Calls() != calls+1 {
+		t.Fatalf("action %q after %d calls, want one new summary (view %d, target %d)", out.Action, l.sum.Calls()-calls, out.Forwarded, out.Target)
 	}
 }
 
@@ -531,34 +548,15 @@ func TestReadyBackgroundSummaryOverTheTargetGivesWay(t *testing.T) {
 // 10). The background pass rests two steps; the crossing request makes
 // the summary when it comes first.
 func TestNoBackgroundSummaryRightAfterASummary(t *testing.T) {
-	cfg := defaultConfig()
-	conv := []msg{sysMsg("You are a coding agent."), userMsg(ask)}
-	add := func(i, size int) {
-		id := fmt.Sprintf("s%d", i)
-		conv = append(conv, callMsg("", id+`:read:{}`), toolMsg(id, blob(id, size)))
-	}
-	sum := sizedSummarizer(4)
-	clock := newClock()
-	d := newDriver(cfg, sum, clock)
-	var st State
-	step := func(pass Pass) Output {
-		msgs := parse(t, conv)
-		out := d.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 8192, State: st,
-			Estimate: fakeEstimate, SummaryInUpstreamTokens: true, Pass: pass, Now: clock.Now()})
-		if out.StateChanged {
-			st = out.State
-		}
-		return out
-	}
+	l := newReadLoop(t, 8192)
 	// Request-path summaries only (no background pass) until one is made.
 	var last Output
 	for i := 0; ; i++ {
 		if i > 60 {
 			t.Fatal("setup: no summary")
 		}
-		add(i, 4000)
-		clock.Add(time.Minute)
-		if last = step(PassForward); last.Action == ActionSummarized {
+		l.read(i, 4000)
+		if last = l.step(PassForward); last.Action == ActionSummarized {
 			if last.Forwarded > last.Target {
 				t.Fatalf("setup: the summary landed at %d, over the target %d", last.Forwarded, last.Target)
 			}
@@ -567,29 +565,27 @@ func TestNoBackgroundSummaryRightAfterASummary(t *testing.T) {
 	}
 	// A large read: the view reaches presummarize_ratio, under the trigger.
 	pre := last.Fixed + (last.Budget-last.Fixed)*7/10
-	add(100, 4*((pre+last.Trigger)/2-last.Forwarded))
-	clock.Add(time.Minute)
-	out := step(PassForward)
+	l.read(100, 4*((pre+last.Trigger)/2-last.Forwarded))
+	out := l.step(PassForward)
 	if out.Events.SummarizeCalled || out.Forwarded < pre || out.Forwarded >= out.Trigger {
 		t.Fatalf("setup: the large read gave action %q at %d (presummarize from %d, trigger %d)", out.Action, out.Forwarded, pre, out.Trigger)
 	}
-	calls := sum.Calls()
-	step(PassBackground)
-	if sum.Calls() != calls || st.Pending != nil {
-		t.Fatalf("a background summary on the step right after a summary (%d calls)", sum.Calls()-calls)
+	calls := l.sum.Calls()
+	l.step(PassBackground)
+	if l.sum.Calls() != calls || l.st.Pending != nil {
+		t.Fatalf("a background summary on the step right after a summary (%d calls)", l.sum.Calls()-calls)
 	}
 	// Nor on the step after (a background call runs while the client
 	// prepares its next request: it lands on either step); two steps
 	// later the background pass makes it.
 	for i, want := range []int{0, 1} {
-		add(101+i, 200)
-		clock.Add(time.Minute)
-		if out := step(PassForward); out.Events.SummarizeCalled || out.Forwarded >= out.Trigger {
+		l.read(101+i, 200)
+		if out := l.step(PassForward); out.Events.SummarizeCalled || out.Forwarded >= out.Trigger {
 			t.Fatalf("setup: step %d after gave action %q at %d (trigger %d)", i+2, out.Action, out.Forwarded, out.Trigger)
 		}
-		step(PassBackground)
-		if sum.Calls() != calls+want || (st.Pending != nil) != (want == 1) {
-			t.Fatalf("step %d after the summary: %d background calls, want %d", i+2, sum.Calls()-calls, want)
+		l.step(PassBackground)
+		if l.sum.Calls() != calls+want || (l.st.Pending != nil) != (want == 1) {
+			t.Fatalf("step %d after the summary: %d background calls, want %d", i+2, l.sum.Calls()-calls, want)
 		}
 	}
 }
