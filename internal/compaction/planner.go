@@ -96,6 +96,11 @@ type SummaryRequest struct {
 	// chat upstream itself can extend it instead of sending a transcript.
 	Prefix       []chat.Message
 	PrefixTokens int
+	// HeadTokens is the estimate of Head's share of Prefix (PrefixTokens
+	// less the prefix before the head): what the head costs in the
+	// upstream's tokens, by which a summarizer that sends it as a
+	// transcript calibrates its own count of that text.
+	HeadTokens int
 	// Kept is set for a background summary (PassBackground): the rest of
 	// the view as it was just forwarded, after Prefix (the verbatim tail
 	// and the client's final message); KeptTokens is its estimate. The

@@ -229,6 +229,10 @@ func (s *scriptSession) plan(pass Pass) string {
 	s.lastIn, s.lastOut, s.lastLi = in, out, li
 	if out.Need == nil {
 		s.save(li, chain, out)
+	} else if n := out.Need; len(n.Head) > len(n.Prefix) ||
+		n.HeadTokens != fakeEstimate(n.Prefix).Tokens-fakeEstimate(n.Prefix[:len(n.Prefix)-len(n.Head)]).Tokens {
+		// The head's cost is what it adds to the prefix it ends.
+		s.t.Errorf("need: head of %d messages counted %d in a %d-message prefix of %d", len(n.Head), n.HeadTokens, len(n.Prefix), n.PrefixTokens)
 	}
 	return describe(out, li)
 }

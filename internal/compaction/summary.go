@@ -327,6 +327,7 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 			Head: r.headView(*p, headStart, cut), Previous: previous, MaxTokens: limit,
 			Prefix: prefix, PrefixTokens: r.est(prefix),
 		}
+		req.HeadTokens = max(req.PrefixTokens-r.est(r.prefixView(*p, headStart)), 0)
 		if r.in.Pass == PassBackground {
 			req.Kept = keptAfter(prefix, r.view(*p))
 			if len(req.Kept) > 0 {

@@ -176,6 +176,12 @@ func (s *Server) newSummarizer() *summarizer.Client {
 	// DESIGN: max_completion_tokens for dialect openai, max_tokens
 	// otherwise; the summarizer has no dialect key of its own.
 	s.sumSem = make(chan struct{}, max(c.MaxConcurrent, 1))
+	// An overflow answer is read in the upstream's dialect when the
+	// summarizer is the upstream, else in any dialect compactproxy knows.
+	dialect := "auto"
+	if s.summarizerIsUpstream {
+		dialect = s.cfg.Upstream.Dialect
+	}
 	return summarizer.New(retryTransport{r: s.retrier, op: "summarize"}, summarizer.Options{
 		URL:       url,
 		APIKey:    key,
@@ -183,6 +189,10 @@ func (s *Server) newSummarizer() *summarizer.Client {
 		MaxTokens: c.MaxTokens,
 		Dialect:   s.cfg.Upstream.Dialect,
 		Timeout:   c.Timeout,
+		Overflow: func(status int, body []byte) (int, bool) {
+			info, ok := recognizeOverflow(dialect, status, body)
+			return info.prompt, ok
+		},
 	})
 }
 

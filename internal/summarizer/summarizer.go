@@ -16,6 +16,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"strings"
 	"time"
@@ -47,6 +48,10 @@ type StatusError struct {
 	StatusCode int
 	// Message is the error envelope's message, else the start of the body.
 	Message string
+	// Overflow: Options.Overflow recognized a context overflow; Prompt is
+	// the prompt size it reported (0 = not said).
+	Overflow bool
+	Prompt   int
 }
 
 func (e *StatusError) Error() string {
@@ -81,6 +86,12 @@ type Options struct {
 	// a head that does not fit one request is summarized in chunks, each
 	// folded into the running summary.
 	Window int
+	// Overflow recognizes the endpoint's context-overflow answer (its
+	// status and body) and the prompt size it reports (0 = not said); nil
+	// recognizes none. A transcript request answered so is sent again in
+	// smaller chunks, counted at the rate the answer measured; a
+	// prefix-shaped one gives way to a transcript.
+	Overflow func(status int, body []byte) (prompt int, ok bool)
 }
 
 // Client calls the summarizer endpoint. Safe for concurrent use.
@@ -228,30 +239,109 @@ func (c *Client) Summarize(ctx context.Context, call Call) (string, error) {
 	if maxTokens <= 0 {
 		maxTokens = c.opt.MaxTokens
 	}
-	if body := c.prefixBody(&call, maxTokens); body != nil {
-		return c.post(ctx, &call, body)
+	floor := 1.0
+	if body, est := c.prefixBody(&call, maxTokens); body != nil {
+		text, err := c.post(ctx, &call, body)
+		var se *StatusError
+		if !errors.As(err, &se) || !se.Overflow {
+			return text, err
+		}
+		// The prefix measured over the window after all: a transcript
+		// (chunked to fit) is the shape left, counted at least as much
+		// short as the prefix's estimate was.
+		if se.Prompt > est && est > 0 {
+			floor = float64(se.Prompt) / float64(est) * overflowMargin
+		}
 	}
 	blocks := make([]string, 0, len(req.Head))
 	for i := range req.Head {
 		blocks = append(blocks, renderMessage(&req.Head[i]))
 	}
 	summary := strings.TrimSpace(req.Previous)
+	scale := min(max(countScale(&call, blocks), floor), maxScale)
+	count := scaled(call.counter(), scale)
 	prompt := systemPrompt
-	if win := c.window(&call); win > 0 && call.counter()(systemPrompt) > win/8 {
+	if win := c.window(&call); win > 0 && count(systemPrompt) > win/8 {
 		prompt = shortSystemPrompt // a small window: leave the room to the transcript
 	}
-	chunks, err := c.chunks(&call, blocks, summary, maxTokens, prompt)
+	chunks, err := c.chunks(&call, count, blocks, 0, summary, maxTokens, prompt)
 	if err != nil {
 		return "", err
 	}
-	for _, chunk := range chunks {
-		s, err := c.call(ctx, &call, model, summary, chunk, maxTokens, prompt)
+	for i, retries := 0, 0; i < len(chunks); i++ {
+		ch := chunks[i]
+		s, err := c.call(ctx, &call, model, summary, ch.text, maxTokens, prompt)
+		var se *StatusError
+		if errors.As(err, &se) && se.Overflow && retries < maxOverflowRetries && c.window(&call) > 0 {
+			// Counted short: count at the rate the answer measured (or
+			// half again when it said no size) and send the rest again in
+			// chunks that fit.
+			retries++
+			grow := overflowGrowth
+			if est := c.requestTokens(count, prompt, summary, ch.text); se.Prompt > est && est > 0 {
+				grow = float64(se.Prompt) / float64(est) * overflowMargin
+			}
+			scale = min(scale*grow, maxScale)
+			count = scaled(call.counter(), scale)
+			rest, cerr := c.chunks(&call, count, blocks[ch.from:], ch.from, summary, maxTokens, prompt)
+			if cerr != nil {
+				return "", cerr
+			}
+			chunks = append(chunks[:i:i], rest...)
+			i--
+			continue
+		}
 		if err != nil {
 			return "", err
 		}
 		summary = s
 	}
 	return summary, nil
+}
+
+// Counting a transcript.
+const (
+	// maxOverflowRetries bounds how often one summary is sent again after
+	// an overflow answer.
+	maxOverflowRetries = 2
+	// overflowGrowth scales the count after an overflow that reported no
+	// size; overflowMargin is added to a measured rate.
+	overflowGrowth = 1.5
+	overflowMargin = 1.1
+	// maxScale bounds the factor (the calibration's own bound).
+	maxScale = 4
+)
+
+// scaled counts with count, times scale.
+func scaled(count Counter, scale float64) Counter {
+	if scale <= 1 {
+		return count
+	}
+	return func(text string) int { return int(math.Ceil(float64(count(text)) * scale)) }
+}
+
+// countScale is the factor by which the call's Counter is taken to
+// undercount the transcript of its head: what the head costs in the
+// upstream's tokens (Request.HeadTokens, the planner's estimate) against
+// the Counter's count of it. The Counter is calibrated on whole messages, whose JSON a
+// template never renders: on a transcript, text alone, it can count half
+// of what the model spends (stories260K, 1.3 bytes a token: a 3,199-byte
+// request counted as fitting measured 2,122 tokens against a 2,048
+// window). Never under 1: a Counter that overcounts only makes the chunks
+// smaller.
+func countScale(call *Call, blocks []string) float64 {
+	scale := 1.0
+	if call.Count == nil || call.Request.HeadTokens <= 0 {
+		return scale
+	}
+	local := 0
+	for _, b := range blocks {
+		local += call.Count(b)
+	}
+	if local > 0 {
+		scale = max(scale, float64(call.Request.HeadTokens)/float64(local))
+	}
+	return min(scale, maxScale)
 }
 
 // prefixInstruction ends a prefix-shaped summarize request.
@@ -270,11 +360,12 @@ const keptInstruction = `Stop here; call no tool. The last %d messages above sta
 // — two user messages would meet — or a request that would not fit the
 // window). With req.Kept (a background summary) it extends the whole view
 // as forwarded, so the upstream's cache of it survives the call, when that
-// fits and does not end on a user message; else the prefix alone.
-func (c *Client) prefixBody(call *Call, maxTokens int) []byte {
+// fits and does not end on a user message; else the prefix alone. tokens
+// is the estimate of the body's prompt.
+func (c *Client) prefixBody(call *Call, maxTokens int) (body []byte, tokens int) {
 	req, build := &call.Request, call.Build
 	if build == nil || len(req.Prefix) == 0 {
-		return nil
+		return nil, 0
 	}
 	fits := func(tokens int, instruction string) bool {
 		win := c.window(call)
@@ -287,16 +378,16 @@ func (c *Client) prefixBody(call *Call, maxTokens int) []byte {
 			msgs = append(msgs, req.Prefix...)
 			msgs = append(msgs, req.Kept...)
 			msgs = append(msgs, chat.NewTextMessage("user", instruction))
-			return build(msgs, maxTokens)
+			return build(msgs, maxTokens), req.PrefixTokens + req.KeptTokens + call.counter()(instruction)
 		}
 	}
 	if req.Prefix[len(req.Prefix)-1].Role == "user" || !fits(req.PrefixTokens, prefixInstruction) {
-		return nil
+		return nil, 0
 	}
 	msgs := make([]chat.Message, 0, len(req.Prefix)+1)
 	msgs = append(msgs, req.Prefix...)
 	msgs = append(msgs, chat.NewTextMessage("user", prefixInstruction))
-	return build(msgs, maxTokens)
+	return build(msgs, maxTokens), req.PrefixTokens + call.counter()(prefixInstruction)
 }
 
 // counter returns the call's Counter, else the byte fallback.
@@ -315,17 +406,24 @@ func (c *Client) window(call *Call) int {
 	return c.opt.Window
 }
 
-// chunks packs the rendered messages into transcripts whose requests fit
-// the summarizer's window (one transcript when the window is unknown or
+// chunk is one transcript: the rendered blocks from, up to the next
+// chunk's.
+type chunk struct {
+	text string
+	from int
+}
+
+// chunks packs the rendered messages (blocks, the first of which is block
+// from of the head) into transcripts whose requests, counted with count,
+// fit the summarizer's window (one transcript when the window is unknown or
 // everything fits). Room is reserved for the running summary as the larger
 // of its size now and maxTokens (later chunks fold a summary of up to that
 // size), and for the answer. A block larger than a chunk is cut to fit.
-func (c *Client) chunks(call *Call, blocks []string, previous string, maxTokens int, prompt string) ([]string, error) {
+func (c *Client) chunks(call *Call, count Counter, blocks []string, from int, previous string, maxTokens int, prompt string) ([]chunk, error) {
 	win := c.window(call)
 	if win <= 0 {
-		return []string{strings.Join(blocks, "")}, nil
+		return []chunk{{strings.Join(blocks, ""), from}}, nil
 	}
-	count := call.counter()
 	sizes := make([]int, len(blocks))
 	total := 0
 	for i, b := range blocks {
@@ -335,15 +433,15 @@ func (c *Client) chunks(call *Call, blocks []string, previous string, maxTokens 
 	fixed := count(prompt) + count(foldInstruction) + templateTokens
 	limit := int(float64(win)*windowShare) - maxTokens - fixed
 	if total+count(previous) <= limit {
-		return []string{strings.Join(blocks, "")}, nil
+		return []chunk{{strings.Join(blocks, ""), from}}, nil
 	}
 	capacity := limit - max(count(previous), maxTokens)
 	if capacity < minChunkTokens {
 		return nil, fmt.Errorf("%w: %d tokens, %d for the answer", ErrWindowTooSmall, win, maxTokens)
 	}
-	var out []string
+	var out []chunk
 	var cur strings.Builder
-	curTokens := 0
+	curTokens, curFrom := 0, from
 	for i, b := range blocks {
 		t := sizes[i]
 		if t > capacity {
@@ -353,15 +451,15 @@ func (c *Client) chunks(call *Call, blocks []string, previous string, maxTokens 
 			t = count(b)
 		}
 		if curTokens > 0 && curTokens+t > capacity {
-			out = append(out, cur.String())
+			out = append(out, chunk{cur.String(), curFrom})
 			cur.Reset()
-			curTokens = 0
+			curTokens, curFrom = 0, from+i
 		}
 		cur.WriteString(b)
 		curTokens += t
 	}
 	if cur.Len() > 0 {
-		out = append(out, cur.String())
+		out = append(out, chunk{cur.String(), curFrom})
 	}
 	return out, nil
 }
@@ -370,8 +468,8 @@ func (c *Client) chunks(call *Call, blocks []string, previous string, maxTokens 
 // around the previous summary and the transcript.
 const foldInstruction = "Previous summary:\n<previous_summary>\n\n</previous_summary>\n\nThe conversation continued as follows. Fold it into the previous summary.\n<transcript>\n</transcript>"
 
-// call makes one transcript-shaped summarize request.
-func (c *Client) call(ctx context.Context, call *Call, model, previous, transcript string, maxTokens int, prompt string) (string, error) {
+// userText is a transcript-shaped request's user message.
+func userText(previous, transcript string) string {
 	var user strings.Builder
 	if previous != "" {
 		user.WriteString("Previous summary:\n<previous_summary>\n")
@@ -383,23 +481,34 @@ func (c *Client) call(ctx context.Context, call *Call, model, previous, transcri
 	user.WriteString("<transcript>\n")
 	user.WriteString(transcript)
 	user.WriteString("</transcript>")
+	return user.String()
+}
+
+// requestTokens is the count of a transcript-shaped request's prompt.
+func (c *Client) requestTokens(count Counter, prompt, previous, transcript string) int {
+	return count(prompt) + count(userText(previous, transcript)) + templateTokens
+}
+
+// call makes one transcript-shaped summarize request.
+func (c *Client) call(ctx context.Context, call *Call, model, previous, transcript string, maxTokens int, prompt string) (string, error) {
+	user := userText(previous, transcript)
 
 	var body []byte
 	var err error
 	switch call.Dialect {
 	case "responses":
 		body, err = json.Marshal(map[string]any{"model": model, "instructions": prompt, "store": false,
-			"input":             []map[string]any{{"type": "message", "role": "user", "content": user.String()}},
+			"input":             []map[string]any{{"type": "message", "role": "user", "content": user}},
 			"max_output_tokens": maxTokens})
 	case "messages":
 		body, err = json.Marshal(map[string]any{"model": model, "system": prompt, "max_tokens": maxTokens,
-			"messages": []map[string]any{{"role": "user", "content": user.String()}}})
+			"messages": []map[string]any{{"role": "user", "content": user}}})
 	default:
 		req := openai.ChatCompletionRequest{
 			Model: model,
 			Messages: []openai.ChatCompletionMessage{
 				{Role: openai.ChatMessageRoleSystem, Content: prompt},
-				{Role: openai.ChatMessageRoleUser, Content: user.String()},
+				{Role: openai.ChatMessageRoleUser, Content: user},
 			},
 		}
 		if c.opt.Dialect == "openai" {
@@ -462,7 +571,11 @@ func (c *Client) post(ctx context.Context, call *Call, body []byte) (string, err
 		return "", fmt.Errorf("summarizer: read: %w", err)
 	}
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
-		return "", &StatusError{StatusCode: resp.StatusCode, Message: errorMessage(data)}
+		se := &StatusError{StatusCode: resp.StatusCode, Message: errorMessage(data)}
+		if c.opt.Overflow != nil {
+			se.Prompt, se.Overflow = c.opt.Overflow(resp.StatusCode, data)
+		}
+		return "", se
 	}
 	if call.OnUsage != nil {
 		if u, ok := anchor.UsageFromJSON(data); ok {

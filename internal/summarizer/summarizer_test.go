@@ -480,3 +480,165 @@ func TestPrefixShapeWithKept(t *testing.T) {
 		}
 	}
 }
+
+// smallVocab is an endpoint like llama-server with a small-vocabulary
+// model: a prompt costs one token per 1.5 bytes of its messages' text plus
+// 10 per message, and a prompt of the whole window or more is refused with
+// llama.cpp's exceed_context_size_error, its sizes included; others are
+// answered with their measured prompt_tokens. prompts records each
+// request's size, refused or not.
+func smallVocab(t *testing.T, window int, prompts *[]int) *endpoint {
+	var e *endpoint
+	e = newEndpoint(t, func(n int, w http.ResponseWriter, _ *http.Request) {
+		body := e.requests()[n-1].Body
+		size := 0
+		for _, m := range body["messages"].([]any) {
+			text, _ := m.(map[string]any)["content"].(string)
+			size += len(text)*2/3 + 10
+		}
+		*prompts = append(*prompts, size)
+		w.Header().Set("Content-Type", "application/json")
+		if size >= window {
+			w.WriteHeader(http.StatusBadRequest)
+			fmt.Fprintf(w, `{"error":{"code":400,"message":"the request exceeds the available context size, try increasing it","type":"exceed_context_size_error","n_prompt_tokens":%d,"n_ctx":%d}}`, size, window)
+			return
+		}
+		fmt.Fprintf(w, `{"choices":[{"index":0,"message":{"role":"assistant","content":"## Goal\nsummary %d"},"finish_reason":"stop"}],"usage":{"prompt_tokens":%d,"completion_tokens":5}}`, n, size)
+	})
+	return e
+}
+
+// llamaOverflow recognizes smallVocab's refusal (the proxy passes its own
+// recognizer of every dialect's).
+func llamaOverflow(status int, body []byte) (int, bool) {
+	var env struct {
+		Error struct {
+			Type          string `json:"type"`
+			NPromptTokens int    `json:"n_prompt_tokens"`
+		} `json:"error"`
+	}
+	if status != http.StatusBadRequest || json.Unmarshal(body, &env) != nil || env.Error.Type != "exceed_context_size_error" {
+		return 0, false
+	}
+	return env.Error.NPromptTokens, true
+}
+
+// sentResults is which of agentHead's tool results the answered requests
+// carried, each at most once.
+func sentResults(t *testing.T, reqs []recorded, prompts []int, window, steps int) {
+	t.Helper()
+	seen := map[int]bool{}
+	for i, r := range reqs {
+		if prompts[i] >= window {
+			continue
+		}
+		for k := 0; k < steps; k++ {
+			if strings.Contains(r.User, fmt.Sprintf("[tool result for call_%d]\n", k)) {
+				if seen[k] {
+					t.Errorf("result %d sent twice", k)
+				}
+				seen[k] = true
+			}
+		}
+	}
+	if len(seen) != steps {
+		t.Errorf("%d of %d results sent in answered requests", len(seen), steps)
+	}
+}
+
+// A Counter calibrated on whole messages counts a transcript (text only)
+// short: on a small-vocabulary model, by more than half. The head's cost in
+// the upstream's tokens (HeadTokens, the planner's estimate) scales the
+// count, so no request is sent over the window (stories260K at 2k: a
+// 3,199-byte transcript counted as fitting measured 2,122 tokens).
+func TestTranscriptCountedAtTheHeadsRate(t *testing.T) {
+	const window, steps = 2048, 6
+	var prompts []int
+	ep := smallVocab(t, window, &prompts)
+	c := New(ep.Client().Transport, Options{URL: ep.URL + "/v1", Model: "m", Window: window, Overflow: llamaOverflow})
+	h := agentHead(t, steps, 400)
+	headTokens := 0
+	for i := range h {
+		headTokens += len(renderMessage(&h[i]))*2/3 + 10
+	}
+	count := func(text string) int { return len(text)/4 + 4 }
+	got, err := c.Summarize(context.Background(), Call{Count: count,
+		Request: compaction.SummaryRequest{Head: h, MaxTokens: 300, HeadTokens: headTokens}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, p := range prompts {
+		if p >= window {
+			t.Errorf("request %d: %d tokens, over the %d-token window", i+1, p, window)
+		}
+	}
+	reqs := ep.requests()
+	if len(reqs) < 2 || !strings.HasPrefix(got, "## Goal") {
+		t.Fatalf("%d requests, summary %q: want the head chunked", len(reqs), got)
+	}
+	sentResults(t, reqs, prompts, window, steps)
+}
+
+// An overflow answer (llama.cpp's, with its measured size) is not a
+// summarizer failure: the transcript is sent again in chunks counted at the
+// measured rate.
+func TestOverflowAnswerResendsSmaller(t *testing.T) {
+	const window, steps = 2048, 6
+	var prompts []int
+	ep := smallVocab(t, window, &prompts)
+	c := New(ep.Client().Transport, Options{URL: ep.URL + "/v1", Model: "m", Window: window, Overflow: llamaOverflow})
+	h := agentHead(t, steps, 400)
+	call := Call{Count: func(text string) int { return len(text)/4 + 4 },
+		Request: compaction.SummaryRequest{Head: h, MaxTokens: 300}}
+	got, err := c.Summarize(context.Background(), call)
+	if err != nil {
+		t.Fatalf("summary after an overflow answer: %v", err)
+	}
+	over := 0
+	for _, p := range prompts {
+		if p >= window {
+			over++
+		}
+	}
+	reqs := ep.requests()
+	if over != 1 || len(reqs) < 3 || !strings.HasPrefix(got, "## Goal") {
+		t.Fatalf("%d requests, %d refused, summary %q: want one refusal, then the head in chunks", len(reqs), over, got)
+	}
+	sentResults(t, reqs, prompts, window, steps)
+
+	// Without a recognizer the refusal is the summarizer's error.
+	prompts = prompts[:0]
+	plain := New(ep.Client().Transport, Options{URL: ep.URL + "/v1", Model: "m", Window: window})
+	if _, err := plain.Summarize(context.Background(), call); !errors.Is(err, ErrStatus) {
+		t.Fatalf("no recognizer: err %v, want the status error", err)
+	}
+}
+
+// A prefix-shaped request that the upstream measures over its window gives
+// way to a transcript that fits.
+func TestPrefixShapeOverflowGivesWayToATranscript(t *testing.T) {
+	const window = 2048
+	var prompts []int
+	ep := smallVocab(t, window, &prompts)
+	c := New(ep.Client().Transport, Options{URL: ep.URL + "/v1", Model: "m", Window: window, Overflow: llamaOverflow})
+	h := agentHead(t, 3, 900)
+	var built [][]chat.Message
+	call := Call{
+		Count: func(text string) int { return len(text)/4 + 4 },
+		Build: func(msgs []chat.Message, maxTokens int) []byte { return buildBody(&built, "", msgs, maxTokens) },
+		// The planner's estimate of the prefix, short by half.
+		Request: compaction.SummaryRequest{Head: h, MaxTokens: 200, Prefix: h, PrefixTokens: 900},
+	}
+	if _, err := c.Summarize(context.Background(), call); err != nil {
+		t.Fatalf("prefix refused: %v, want a transcript", err)
+	}
+	reqs := ep.requests()
+	if len(built) != 1 || len(reqs) < 2 || prompts[0] < window {
+		t.Fatalf("%d built, %d requests, first %d tokens: want the prefix refused", len(built), len(reqs), prompts[0])
+	}
+	for i, r := range reqs[1:] {
+		if m := r.Body["messages"].([]any); len(m) != 2 || prompts[i+1] >= window {
+			t.Fatalf("request %d after the refusal: %d messages, %d tokens", i+2, len(m), prompts[i+1])
+		}
+	}
+}
