@@ -253,10 +253,7 @@ func (c *Client) Summarize(ctx context.Context, call Call) (string, error) {
 			floor = float64(se.Prompt) / float64(est) * overflowMargin
 		}
 	}
-	blocks := make([]string, 0, len(req.Head))
-	for i := range req.Head {
-		blocks = append(blocks, renderMessage(&req.Head[i]))
-	}
+	blocks := renderHead(req.Head)
 	summary := strings.TrimSpace(req.Previous)
 	scale := min(max(countScale(&call, blocks), floor), maxScale)
 	count := scaled(call.counter(), scale)
@@ -416,9 +413,9 @@ type chunk struct {
 // chunks packs the rendered messages (blocks, the first of which is block
 // from of the head) into transcripts whose requests, counted with count,
 // fit the summarizer's window (one transcript when the window is unknown or
-// everything fits). Room is reserved for the running summary as the larger
-// of its size now and maxTokens (later chunks fold a summary of up to that
-// size), and for the answer. A block larger than a chunk is cut to fit.
+// everything fits). Room is reserved for the answer, and for the running
+// summary: the first chunk folds previous, a later one a summary of up to
+// maxTokens. A block larger than a later chunk is cut to fit.
 func (c *Client) chunks(call *Call, count Counter, blocks []string, from int, previous string, maxTokens int, prompt string) ([]chunk, error) {
 	win := c.window(call)
 	if win <= 0 {
@@ -439,6 +436,7 @@ func (c *Client) chunks(call *Call, count Counter, blocks []string, from int, pr
 	if capacity < minChunkTokens {
 		return nil, fmt.Errorf("%w: %d tokens, %d for the answer", ErrWindowTooSmall, win, maxTokens)
 	}
+	first := limit - count(previous) // the first chunk folds previous, not an answer of maxTokens
 	var out []chunk
 	var cur strings.Builder
 	curTokens, curFrom := 0, from
@@ -450,7 +448,11 @@ func (c *Client) chunks(call *Call, count Counter, blocks []string, from int, pr
 			b = compaction.Excerpt(b, max(len(b)*(capacity-16)/t, 64))
 			t = count(b)
 		}
-		if curTokens > 0 && curTokens+t > capacity {
+		room := capacity
+		if len(out) == 0 {
+			room = first
+		}
+		if curTokens > 0 && curTokens+t > room {
 			out = append(out, chunk{cur.String(), curFrom})
 			cur.Reset()
 			curTokens, curFrom = 0, from+i
@@ -629,13 +631,33 @@ type rawMessage struct {
 	} `json:"function_call"`
 }
 
-// renderMessage renders one message as a transcript block.
-func renderMessage(m *chat.Message) string {
+// renderHead renders the head's messages as transcript blocks. A tool
+// result is labelled with the name of the call it answers (its call id
+// when the call is not in the head): a summary needs the tool, and a call
+// id is noise that costs tokens (about one a character on a
+// small-vocabulary model, twice per tool turn); results follow their calls
+// in order.
+func renderHead(head []chat.Message) []string {
+	blocks := make([]string, 0, len(head))
+	names := map[string]string{}
+	for i := range head {
+		blocks = append(blocks, renderMessage(&head[i], names))
+	}
+	return blocks
+}
+
+// renderMessage renders one message as a transcript block; names maps the
+// call ids seen so far to their tool's name, and learns m's calls.
+func renderMessage(m *chat.Message, names map[string]string) string {
 	var b strings.Builder
 	role := m.Role
 	switch role {
 	case "tool":
-		fmt.Fprintf(&b, "[tool result for %s]\n", m.ToolCallID)
+		if name := names[m.ToolCallID]; name != "" {
+			fmt.Fprintf(&b, "[%s result]\n", name)
+		} else {
+			fmt.Fprintf(&b, "[tool result for %s]\n", m.ToolCallID)
+		}
 	case "function":
 		fmt.Fprintf(&b, "[function result %s]\n", m.Name)
 	default:
@@ -657,7 +679,10 @@ func renderMessage(m *chat.Message) string {
 		var rm rawMessage
 		if json.Unmarshal(m.Raw, &rm) == nil {
 			for _, tc := range rm.ToolCalls {
-				fmt.Fprintf(&b, "(calls %s [%s] with %s)\n", tc.Function.Name, tc.ID, compaction.Excerpt(arguments(tc.Function.Arguments), 2000))
+				if names != nil && tc.ID != "" {
+					names[tc.ID] = tc.Function.Name
+				}
+				fmt.Fprintf(&b, "(calls %s with %s)\n", tc.Function.Name, compaction.Excerpt(arguments(tc.Function.Arguments), 2000))
 			}
 			if fc := rm.FunctionCall; fc != nil {
 				fmt.Fprintf(&b, "(calls %s with %s)\n", fc.Name, compaction.Excerpt(arguments(fc.Arguments), 2000))

@@ -185,8 +185,8 @@ func TestPrompt(t *testing.T) {
 	for _, want := range []string{
 		"<previous_summary>\n## Goal\nearlier summary\n</previous_summary>",
 		"[user]\nadd a retry to fetch_rows in store.py",
-		`(calls bash [call_0] with {"cmd":"cat file0.py"})`,
-		"[tool result for call_1]\noutput 1",
+		`(calls bash with {"cmd":"cat file0.py"})`,
+		"[bash result]\noutput 1\n",
 		"characters elided by compactproxy ...]",
 	} {
 		if !strings.Contains(r.User, want) {
@@ -232,7 +232,7 @@ func TestChunking(t *testing.T) {
 			t.Errorf("call %d: %d tokens with the answer, over the %d-token window", i+1, size, window)
 		}
 		for k := 0; k < 12; k++ {
-			if strings.Contains(r.User, fmt.Sprintf("[tool result for call_%d]\n", k)) {
+			if strings.Contains(r.User, fmt.Sprintf("]\noutput %d\n", k)) {
 				if seen[fmt.Sprint(k)] {
 					t.Errorf("result %d sent twice", k)
 				}
@@ -333,7 +333,7 @@ func TestRenderMedia(t *testing.T) {
 		map[string]any{"type": "text", "text": "see the screenshot"},
 		map[string]any{"type": "image_url", "image_url": map[string]any{"url": "data:image/png;base64," + strings.Repeat("A", 5000)}},
 	}})
-	out := renderMessage(&h[0])
+	out := renderMessage(&h[0], nil)
 	if !strings.Contains(out, "see the screenshot") || !strings.Contains(out, "1 image/audio/file part(s) not shown") || strings.Contains(out, "AAAA") {
 		t.Fatalf("%q", out)
 	}
@@ -533,7 +533,7 @@ func sentResults(t *testing.T, reqs []recorded, prompts []int, window, steps int
 			continue
 		}
 		for k := 0; k < steps; k++ {
-			if strings.Contains(r.User, fmt.Sprintf("[tool result for call_%d]\n", k)) {
+			if strings.Contains(r.User, fmt.Sprintf("]\noutput %d\n", k)) {
 				if seen[k] {
 					t.Errorf("result %d sent twice", k)
 				}
@@ -559,7 +559,7 @@ func TestTranscriptCountedAtTheHeadsRate(t *testing.T) {
 	h := agentHead(t, steps, 400)
 	headTokens := 0
 	for i := range h {
-		headTokens += len(renderMessage(&h[i]))*2/3 + 10
+		headTokens += len(renderMessage(&h[i], nil))*2/3 + 10
 	}
 	count := func(text string) int { return len(text)/4 + 4 }
 	got, err := c.Summarize(context.Background(), Call{Count: count,
@@ -640,5 +640,23 @@ func TestPrefixShapeOverflowGivesWayToATranscript(t *testing.T) {
 		if m := r.Body["messages"].([]any); len(m) != 2 || prompts[i+1] >= window {
 			t.Fatalf("request %d after the refusal: %d messages, %d tokens", i+2, len(m), prompts[i+1])
 		}
+	}
+}
+
+// A transcript labels a tool result with its call's tool, not the call id
+// (noise the summarizer pays for in tokens); the id stays where the call is
+// not in the head.
+func TestTranscriptNamesResultsByTool(t *testing.T) {
+	h := agentHead(t, 2, 10)
+	blocks := renderHead(h[1:])
+	all := strings.Join(blocks, "")
+	if strings.Contains(all, "call_0") || strings.Contains(all, "call_1") {
+		t.Errorf("transcript carries call ids:\n%s", all)
+	}
+	if n := strings.Count(all, "[bash result]\noutput "); n != 2 {
+		t.Errorf("%d results labelled with their tool, want 2:\n%s", n, all)
+	}
+	if got := renderHead(h[2:])[0]; !strings.HasPrefix(got, "[tool result for call_0]\n") {
+		t.Errorf("a result whose call is not in the head: %q", got)
 	}
 }
