@@ -506,3 +506,48 @@ func TestSummarizeRequestDropsClientOutputOptions(t *testing.T) {
 		t.Errorf("summarize max_tokens = %q, want the summary's own limit", mt)
 	}
 }
+
+// A summarize request its endpoint refuses as over its window (llama.cpp's
+// exceed_context_size_error, which names the window) is sent again in
+// chunks that fit it: the summary is made, nothing latches, nothing is
+// dropped. (A summarizer of its own whose window the proxy does not know:
+// the first request carries the whole head.)
+func TestSummarizerOverflowResentInChunks(t *testing.T) {
+	up := countingUpstream(t)
+	const nCtx = 1600 // the summarizer's window: a token per 3 bytes of body
+	var refused, answered atomic.Int32
+	sum := newFakeUpstream(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
+		w.Header().Set("Content-Type", "application/json")
+		if n := len(body) / 3; n >= nCtx {
+			refused.Add(1)
+			w.WriteHeader(400)
+			fmt.Fprintf(w, `{"error":{"code":400,"message":"the request exceeds the available context size, try increasing it","type":"exceed_context_size_error","n_prompt_tokens":%d,"n_ctx":%d}}`, n, nCtx)
+			return
+		}
+		answered.Add(1)
+		io.WriteString(w, `{"id":"s","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"Goal: add a retry. Files: store.py. Next: run tests."},"finish_reason":"stop"}],"usage":{"prompt_tokens":10,"completion_tokens":10}}`)
+	})
+	p := newTestProxy(t, compactionConfig(up.URL, sum.URL))
+	a := newAgent()
+	for a.step < 16 {
+		a.toolStep(800)
+	}
+	resp := p.chatOK(t, a.body())
+	if got := resp.Header.Get("X-Compactproxy-Compaction"); got != "summarized" {
+		t.Fatalf("compaction %q, want summarized (%d refused, %d answered)", got, refused.Load(), answered.Load())
+	}
+	if refused.Load() != 1 || answered.Load() < 2 {
+		t.Fatalf("%d summarize requests refused, %d answered: want one refused, then the head in chunks", refused.Load(), answered.Load())
+	}
+	for i, r := range sum.requests()[1:] {
+		if n := len(r.Body) / 3; n >= nCtx {
+			t.Errorf("request %d, after the refusal, is over the window: %d tokens", i+2, n)
+		}
+	}
+	if v := counter(t, p.reg, "compactproxy_summarize_total", map[string]string{"result": "failure"}); v != 0 {
+		t.Errorf("summarize_total{failure} = %v", v)
+	}
+	if v := counter(t, p.reg, "compactproxy_latch_engaged_total", nil); v != 0 {
+		t.Errorf("latch_engaged_total = %v", v)
+	}
+}

@@ -189,9 +189,9 @@ func (s *Server) newSummarizer() *summarizer.Client {
 		MaxTokens: c.MaxTokens,
 		Dialect:   s.cfg.Upstream.Dialect,
 		Timeout:   c.Timeout,
-		Overflow: func(status int, body []byte) (int, bool) {
+		Overflow: func(status int, body []byte) (int, int, bool) {
 			info, ok := recognizeOverflow(dialect, status, body)
-			return info.prompt, ok
+			return info.prompt, info.nCtx, ok
 		},
 	})
 }

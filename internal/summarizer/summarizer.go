@@ -49,9 +49,11 @@ type StatusError struct {
 	// Message is the error envelope's message, else the start of the body.
 	Message string
 	// Overflow: Options.Overflow recognized a context overflow; Prompt is
-	// the prompt size it reported (0 = not said).
+	// the prompt size it reported and Window the model's window it named
+	// (0 = not said).
 	Overflow bool
 	Prompt   int
+	Window   int
 }
 
 func (e *StatusError) Error() string {
@@ -87,11 +89,12 @@ type Options struct {
 	// folded into the running summary.
 	Window int
 	// Overflow recognizes the endpoint's context-overflow answer (its
-	// status and body) and the prompt size it reports (0 = not said); nil
-	// recognizes none. A transcript request answered so is sent again in
-	// smaller chunks, counted at the rate the answer measured; a
+	// status and body), the prompt size it reports and the window it names
+	// (0 = not said); nil recognizes none. A transcript request answered so
+	// is sent again in smaller chunks, counted at the rate the answer
+	// measured, within the window it names when none was known; a
 	// prefix-shaped one gives way to a transcript.
-	Overflow func(status int, body []byte) (prompt int, ok bool)
+	Overflow func(status int, body []byte) (prompt, window int, ok bool)
 }
 
 // Client calls the summarizer endpoint. Safe for concurrent use.
@@ -246,6 +249,9 @@ func (c *Client) Summarize(ctx context.Context, call Call) (string, error) {
 		if !errors.As(err, &se) || !se.Overflow {
 			return text, err
 		}
+		if c.window(&call) <= 0 {
+			call.Window = se.Window
+		}
 		// The prefix measured over the window after all: a transcript
 		// (chunked to fit) is the shape left, counted at least as much
 		// short as the prefix's estimate was.
@@ -257,10 +263,7 @@ func (c *Client) Summarize(ctx context.Context, call Call) (string, error) {
 	summary := strings.TrimSpace(req.Previous)
 	scale := min(max(countScale(&call, blocks), floor), maxScale)
 	count := scaled(call.counter(), scale)
-	prompt := systemPrompt
-	if win := c.window(&call); win > 0 && count(systemPrompt) > win/8 {
-		prompt = shortSystemPrompt // a small window: leave the room to the transcript
-	}
+	prompt := c.systemPrompt(&call, count)
 	chunks, err := c.chunks(&call, count, blocks, 0, summary, maxTokens, prompt)
 	if err != nil {
 		return "", err
@@ -269,6 +272,9 @@ func (c *Client) Summarize(ctx context.Context, call Call) (string, error) {
 		ch := chunks[i]
 		s, err := c.call(ctx, &call, model, summary, ch.text, maxTokens, prompt)
 		var se *StatusError
+		if errors.As(err, &se) && se.Overflow && c.window(&call) <= 0 {
+			call.Window = se.Window // chunk within the window the answer names
+		}
 		if errors.As(err, &se) && se.Overflow && retries < maxOverflowRetries && c.window(&call) > 0 {
 			// Counted short: count at the rate the answer measured (or
 			// half again when it said no size) and send the rest again in
@@ -280,6 +286,9 @@ func (c *Client) Summarize(ctx context.Context, call Call) (string, error) {
 			}
 			scale = min(scale*grow, maxScale)
 			count = scaled(call.counter(), scale)
+			if i == 0 {
+				prompt = c.systemPrompt(&call, count) // the window may be known only now
+			}
 			rest, cerr := c.chunks(&call, count, blocks[ch.from:], ch.from, summary, maxTokens, prompt)
 			if cerr != nil {
 				return "", cerr
@@ -294,6 +303,16 @@ func (c *Client) Summarize(ctx context.Context, call Call) (string, error) {
 		summary = s
 	}
 	return summary, nil
+}
+
+// systemPrompt is the transcript's system prompt: the short one when the
+// long one would take more than an eighth of the summarizer's window (leave
+// the room to the transcript).
+func (c *Client) systemPrompt(call *Call, count Counter) string {
+	if win := c.window(call); win > 0 && count(systemPrompt) > win/8 {
+		return shortSystemPrompt
+	}
+	return systemPrompt
 }
 
 // Counting a transcript.
@@ -575,7 +594,7 @@ func (c *Client) post(ctx context.Context, call *Call, body []byte) (string, err
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
 		se := &StatusError{StatusCode: resp.StatusCode, Message: errorMessage(data)}
 		if c.opt.Overflow != nil {
-			se.Prompt, se.Overflow = c.opt.Overflow(resp.StatusCode, data)
+			se.Prompt, se.Window, se.Overflow = c.opt.Overflow(resp.StatusCode, data)
 		}
 		return "", se
 	}

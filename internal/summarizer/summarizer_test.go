@@ -510,17 +510,18 @@ func smallVocab(t *testing.T, window int, prompts *[]int) *endpoint {
 
 // llamaOverflow recognizes smallVocab's refusal (the proxy passes its own
 // recognizer of every dialect's).
-func llamaOverflow(status int, body []byte) (int, bool) {
+func llamaOverflow(status int, body []byte) (int, int, bool) {
 	var env struct {
 		Error struct {
 			Type          string `json:"type"`
 			NPromptTokens int    `json:"n_prompt_tokens"`
+			NCtx          int    `json:"n_ctx"`
 		} `json:"error"`
 	}
 	if status != http.StatusBadRequest || json.Unmarshal(body, &env) != nil || env.Error.Type != "exceed_context_size_error" {
-		return 0, false
+		return 0, 0, false
 	}
-	return env.Error.NPromptTokens, true
+	return env.Error.NPromptTokens, env.Error.NCtx, true
 }
 
 // sentResults is which of agentHead's tool results the answered requests
@@ -605,6 +606,22 @@ func TestOverflowAnswerResendsSmaller(t *testing.T) {
 		t.Fatalf("%d requests, %d refused, summary %q: want one refusal, then the head in chunks", len(reqs), over, got)
 	}
 	sentResults(t, reqs, prompts, window, steps)
+
+	// A summarizer whose window is not known: the refusal names it, and
+	// the transcript is chunked within it.
+	prompts = prompts[:0]
+	unknown := New(ep.Client().Transport, Options{URL: ep.URL + "/v1", Model: "m", Overflow: llamaOverflow})
+	if _, err := unknown.Summarize(context.Background(), call); err != nil {
+		t.Fatalf("unknown window: %v", err)
+	}
+	if len(prompts) < 3 || prompts[0] < window {
+		t.Fatalf("unknown window: requests of %v tokens, want one refused, then chunks", prompts)
+	}
+	for i, p := range prompts[1:] {
+		if p >= window {
+			t.Errorf("unknown window, request %d after the refusal: %d tokens", i+2, p)
+		}
+	}
 
 	// Without a recognizer the refusal is the summarizer's error.
 	prompts = prompts[:0]
