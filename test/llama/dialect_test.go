@@ -120,8 +120,10 @@ func responsesInput(msgs []message) []any {
 					"content": []any{map[string]any{"type": "output_text", "text": contentText(m.Content), "annotations": []any{}}}})
 				continue
 			}
-			items = append(items, map[string]any{"type": "reasoning", "id": "rs_" + m.ToolCalls[0].ID, "summary": []any{},
-				"content": []any{map[string]any{"type": "reasoning_text", "text": reasoningText(m.ToolCalls[0])}}})
+			if os.Getenv("LLAMA_NO_REASONING") == "" {
+				items = append(items, map[string]any{"type": "reasoning", "id": "rs_" + m.ToolCalls[0].ID, "summary": []any{},
+					"content": []any{map[string]any{"type": "reasoning_text", "text": reasoningText(m.ToolCalls[0])}}})
+			}
 			for _, c := range m.ToolCalls {
 				items = append(items, map[string]any{"type": "function_call", "call_id": c.ID,
 					"name": c.Function.Name, "arguments": c.Function.Arguments, "status": "completed"})
@@ -174,6 +176,9 @@ func messagesHistory(msgs []message) []any {
 			}
 			blocks := []any{map[string]any{"type": "thinking", "thinking": reasoningText(m.ToolCalls[0]),
 				"signature": "c2lnLQ" + m.ToolCalls[0].ID}}
+			if os.Getenv("LLAMA_NO_REASONING") != "" {
+				blocks = nil
+			}
 			for _, c := range m.ToolCalls {
 				var input map[string]any
 				if err := json.Unmarshal([]byte(c.Function.Arguments), &input); err != nil {
