@@ -196,16 +196,12 @@ func TestSummaryReusedWithStablePrefix(t *testing.T) {
 	sum := newSummarizerServer(t)
 	p := newTestProxy(t, compactionConfig(up.URL, sum.URL))
 	a := newAgent()
-	for a.step < 16 {
-		a.toolStep(800)
-	}
-	resp := p.chatOK(t, a.body())
-	if got := resp.Header.Get("X-Compactproxy-Compaction"); got != "summarized" {
+	if got := p.sixteenSteps(t, a); got != "summarized" {
 		t.Fatalf("compaction %q, want summarized", got)
 	}
 	first := forwardedMessages(t, up.last(t).Body)
 	a.toolStep(200)
-	resp = p.chatOK(t, a.body())
+	resp := p.chatOK(t, a.body())
 	if got := resp.Header.Get("X-Compactproxy-Compaction"); got != "reused" {
 		t.Fatalf("second step compaction %q, want reused", got)
 	}
@@ -228,6 +224,16 @@ func TestSummaryReusedWithStablePrefix(t *testing.T) {
 	if v := counter(t, p.reg, "compactproxy_compactions_total", map[string]string{"action": "reused"}); v != 1 {
 		t.Errorf("compactions_total{reused} = %v", v)
 	}
+}
+
+// sixteenSteps sends a's conversation after sixteen tool steps of 800
+// bytes (over compactionConfig's trigger) and returns the compaction it got.
+func (p *testProxy) sixteenSteps(t *testing.T, a *agent) string {
+	t.Helper()
+	for a.step < 16 {
+		a.toolStep(800)
+	}
+	return p.chatOK(t, a.body()).Header.Get("X-Compactproxy-Compaction")
 }
 
 func forwardedMessages(t *testing.T, body []byte) []json.RawMessage {
@@ -528,12 +534,7 @@ func TestSummarizerOverflowResentInChunks(t *testing.T) {
 		io.WriteString(w, `{"id":"s","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"Goal: add a retry. Files: store.py. Next: run tests."},"finish_reason":"stop"}],"usage":{"prompt_tokens":10,"completion_tokens":10}}`)
 	})
 	p := newTestProxy(t, compactionConfig(up.URL, sum.URL))
-	a := newAgent()
-	for a.step < 16 {
-		a.toolStep(800)
-	}
-	resp := p.chatOK(t, a.body())
-	if got := resp.Header.Get("X-Compactproxy-Compaction"); got != "summarized" {
+	if got := p.sixteenSteps(t, newAgent()); got != "summarized" {
 		t.Fatalf("compaction %q, want summarized (%d refused, %d answered)", got, refused.Load(), answered.Load())
 	}
 	if refused.Load() != 1 || answered.Load() < 2 {

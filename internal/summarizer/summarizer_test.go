@@ -508,6 +508,19 @@ func smallVocab(t *testing.T, window int, prompts *[]int) *endpoint {
 	return e
 }
 
+// The smallVocab tests' window and head (agentHead's tool turns).
+const vocabWindow, vocabSteps = 2048, 6
+
+// smallVocabClient is a client of a smallVocab endpoint at window, which
+// recognizes its refusal, and a head of steps tool turns; prompts records
+// the requests' sizes.
+func smallVocabClient(t *testing.T) (c *Client, ep *endpoint, prompts *[]int, h []chat.Message) {
+	prompts = new([]int)
+	ep = smallVocab(t, vocabWindow, prompts)
+	c = New(ep.Client().Transport, Options{URL: ep.URL + "/v1", Model: "m", Window: vocabWindow, Overflow: llamaOverflow})
+	return c, ep, prompts, agentHead(t, vocabSteps, 400)
+}
+
 // llamaOverflow recognizes smallVocab's refusal (the proxy passes its own
 // recognizer of every dialect's).
 func llamaOverflow(status int, body []byte) (int, int, bool) {
@@ -553,11 +566,7 @@ func sentResults(t *testing.T, reqs []recorded, prompts []int, window, steps int
 // count, so no request is sent over the window (stories260K at 2k: a
 // 3,199-byte transcript counted as fitting measured 2,122 tokens).
 func TestTranscriptCountedAtTheHeadsRate(t *testing.T) {
-	const window, steps = 2048, 6
-	var prompts []int
-	ep := smallVocab(t, window, &prompts)
-	c := New(ep.Client().Transport, Options{URL: ep.URL + "/v1", Model: "m", Window: window, Overflow: llamaOverflow})
-	h := agentHead(t, steps, 400)
+	c, ep, pp, h := smallVocabClient(t)
 	headTokens := 0
 	for i := range h {
 		headTokens += len(renderMessage(&h[i], nil))*2/3 + 10
@@ -568,27 +577,23 @@ func TestTranscriptCountedAtTheHeadsRate(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for i, p := range prompts {
-		if p >= window {
-			t.Errorf("request %d: %d tokens, over the %d-token window", i+1, p, window)
+	for i, p := range *pp {
+		if p >= vocabWindow {
+			t.Errorf("request %d: %d tokens, over the %d-token window", i+1, p, vocabWindow)
 		}
 	}
 	reqs := ep.requests()
 	if len(reqs) < 2 || !strings.HasPrefix(got, "## Goal") {
 		t.Fatalf("%d requests, summary %q: want the head chunked", len(reqs), got)
 	}
-	sentResults(t, reqs, prompts, window, steps)
+	sentResults(t, reqs, *pp, vocabWindow, vocabSteps)
 }
 
 // An overflow answer (llama.cpp's, with its measured size) is not a
 // summarizer failure: the transcript is sent again in chunks counted at the
 // measured rate.
 func TestOverflowAnswerResendsSmaller(t *testing.T) {
-	const window, steps = 2048, 6
-	var prompts []int
-	ep := smallVocab(t, window, &prompts)
-	c := New(ep.Client().Transport, Options{URL: ep.URL + "/v1", Model: "m", Window: window, Overflow: llamaOverflow})
-	h := agentHead(t, steps, 400)
+	c, ep, pp, h := smallVocabClient(t)
 	call := Call{Count: func(text string) int { return len(text)/4 + 4 },
 		Request: compaction.SummaryRequest{Head: h, MaxTokens: 300}}
 	got, err := c.Summarize(context.Background(), call)
@@ -596,8 +601,8 @@ func TestOverflowAnswerResendsSmaller(t *testing.T) {
 		t.Fatalf("summary after an overflow answer: %v", err)
 	}
 	over := 0
-	for _, p := range prompts {
-		if p >= window {
+	for _, p := range *pp {
+		if p >= vocabWindow {
 			over++
 		}
 	}
@@ -605,27 +610,27 @@ func TestOverflowAnswerResendsSmaller(t *testing.T) {
 	if over != 1 || len(reqs) < 3 || !strings.HasPrefix(got, "## Goal") {
 		t.Fatalf("%d requests, %d refused, summary %q: want one refusal, then the head in chunks", len(reqs), over, got)
 	}
-	sentResults(t, reqs, prompts, window, steps)
+	sentResults(t, reqs, *pp, vocabWindow, vocabSteps)
 
 	// A summarizer whose window is not known: the refusal names it, and
 	// the transcript is chunked within it.
-	prompts = prompts[:0]
+	*pp = (*pp)[:0]
 	unknown := New(ep.Client().Transport, Options{URL: ep.URL + "/v1", Model: "m", Overflow: llamaOverflow})
 	if _, err := unknown.Summarize(context.Background(), call); err != nil {
 		t.Fatalf("unknown window: %v", err)
 	}
-	if len(prompts) < 3 || prompts[0] < window {
-		t.Fatalf("unknown window: requests of %v tokens, want one refused, then chunks", prompts)
+	if len(*pp) < 3 || (*pp)[0] < vocabWindow {
+		t.Fatalf("unknown window: requests of %v tokens, want one refused, then chunks", *pp)
 	}
-	for i, p := range prompts[1:] {
-		if p >= window {
+	for i, p := range (*pp)[1:] {
+		if p >= vocabWindow {
 			t.Errorf("unknown window, request %d after the refusal: %d tokens", i+2, p)
 		}
 	}
 
 	// Without a recognizer the refusal is the summarizer's error.
-	prompts = prompts[:0]
-	plain := New(ep.Client().Transport, Options{URL: ep.URL + "/v1", Model: "m", Window: window})
+	*pp = (*pp)[:0]
+	plain := New(ep.Client().Transport, Options{URL: ep.URL + "/v1", Model: "m", Window: vocabWindow})
 	if _, err := plain.Summarize(context.Background(), call); !errors.Is(err, ErrStatus) {
 		t.Fatalf("no recognizer: err %v, want the status error", err)
 	}
