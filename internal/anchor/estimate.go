@@ -22,6 +22,42 @@ type Anchor struct {
 	// recorded): with Input it is the conversation's own calibration
 	// evidence for views that share no prefix with it.
 	Local int
+	// SumInput and SumLocal are running totals over the conversation's
+	// measurements up to this one: what the messages appended between
+	// one measured view and the next that extends it cost (Input) and
+	// counted locally (see Extend). Their ratio is the conversation's own
+	// rate for the messages it appends (tool calls and results), over
+	// every step, not the last few.
+	SumInput, SumLocal int
+}
+
+// Extend carries the running totals of prev, the conversation's previous
+// measurement, into a, the measurement of the view whose chain is chain:
+// when that view extends prev's (same prefix) and costs and counts more,
+// what the appended messages cost is added.
+func Extend(prev, a Anchor, chain []Digest) Anchor {
+	a.SumInput, a.SumLocal = prev.SumInput, prev.SumLocal
+	if prev.PrefixLen >= 1 && prev.PrefixLen < a.PrefixLen && prev.PrefixLen < len(chain) &&
+		chain[prev.PrefixLen] == prev.Prefix && a.Input > prev.Input && prev.Local > 0 && a.Local > prev.Local {
+		a.SumInput += a.Input - prev.Input
+		a.SumLocal += a.Local - prev.Local
+	}
+	return a
+}
+
+// MinRateLocal is the least SumLocal whose rate AppendRate gives: a few
+// turns, not one (one turn's cost per local token swings by a factor of
+// two on a small vocabulary).
+const MinRateLocal = 256
+
+// AppendRate is the conversation's rate for the messages it appends, the
+// provider's tokens per local token (see SumInput), from its newest
+// measurement a; ok false while too few were measured.
+func (a Anchor) AppendRate() (float64, bool) {
+	if a.SumLocal < MinRateLocal || a.SumInput <= 0 {
+		return 0, false
+	}
+	return min(max(float64(a.SumInput)/float64(a.SumLocal), MinRatio), MaxRatio), true
 }
 
 // NewAnchor records a measurement for the view whose chain is chain (as

@@ -555,3 +555,31 @@ func TestEstimateViewColdFit(t *testing.T) {
 		t.Fatalf("with two pairs the estimate's ratio is %v, want the fit's %v", got.Ratio, fit.ratio())
 	}
 }
+
+// Extend adds what the messages appended between two measurements cost
+// only when the later view extends the earlier one, and carries the totals
+// otherwise (a compacted view starts a new prefix); AppendRate answers
+// once a few turns were measured.
+func TestExtendRunningTotals(t *testing.T) {
+	d := func(b byte) Digest { var x Digest; x[0] = b; return x }
+	chain := []Digest{d(0), d(1), d(2), d(3), d(4), d(5)}
+	a1 := Anchor{PrefixLen: 2, Prefix: d(2), Input: 300, Local: 100}
+	a2 := Extend(a1, Anchor{PrefixLen: 4, Prefix: d(4), Input: 600, Local: 300}, chain)
+	if a2.SumInput != 300 || a2.SumLocal != 200 {
+		t.Fatalf("extending view: totals %d/%d, want 300/200", a2.SumInput, a2.SumLocal)
+	}
+	if _, ok := a2.AppendRate(); ok {
+		t.Fatalf("a rate from %d local tokens, under MinRateLocal", a2.SumLocal)
+	}
+	// A compacted view: another prefix at a2's length. Carried, not added.
+	other := []Digest{d(0), d(1), d(9), d(9), d(9), d(9)}
+	a3 := Extend(a2, Anchor{PrefixLen: 5, Prefix: d(9), Input: 400, Local: 200}, other)
+	if a3.SumInput != 300 || a3.SumLocal != 200 {
+		t.Fatalf("compacted view: totals %d/%d, want 300/200 carried", a3.SumInput, a3.SumLocal)
+	}
+	a4 := Extend(Anchor{PrefixLen: 2, Prefix: d(2), Input: 300, Local: 100, SumInput: 300, SumLocal: 200},
+		Anchor{PrefixLen: 5, Prefix: d(5), Input: 450, Local: 200}, chain)
+	if r, ok := a4.AppendRate(); !ok || r != 1.5 {
+		t.Fatalf("rate %v, %v: want 1.5 from 450/300", r, ok)
+	}
+}

@@ -493,7 +493,7 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 	// forwarded prefix (the upstream re-evaluates everything after it)
 	// only to keep that summary stored until a later crossing, older.
 	trimFrom := headStart
-	if _, _, ok := r.pendingPlan(*p, headStart, cur); ok {
+	if _, _, ok := r.pendingPlan(*p, *p, headStart, cur); ok {
 		trimFrom = r.st.Pending.Cut
 	}
 	if cands := r.trimCandidates(*p, trimFrom, max(r.tail, headStart), r.long()); len(cands) > 0 {

@@ -132,6 +132,65 @@ func (r *run) summarySplit(p plan) (bare, text int) {
 	return bare, text
 }
 
+// freshEst estimates q, the plan p with a new summary in place of (part
+// of) its head, from cur, the estimate of p's view (anchored: measured up
+// to the client's newest messages): cur, less p's summary text, plus q's,
+// plus the difference of the rest at the conversation's rate for the
+// messages it appends (anchor.AppendRate, over every measured step). The
+// system messages and the tail, common to both views, cancel out. The
+// estimate of q's view alone (summaryEst) is not anchored: the
+// calibration's overhead plus its ratio times the local count, and the
+// overhead of a fit across views of mixed content (system prompt, a prose
+// summary, code) can be hundreds of tokens where the request has none
+// (stories260K with ChatML, no tools array rendered: 120–470 tokens, and
+// views right after a summary 13% over llama-server's count). Without a
+// rate yet it is summaryEst; and a view this estimate finds no smaller
+// than cur is judged by summaryEst too, as before (a summary is a
+// failure only when neither finds it smaller).
+func (r *run) freshEst(p plan, cur int, q plan) int {
+	old := r.summaryEst(q)
+	var rate float64
+	ok := len(r.in.State.Anchors) > 0
+	if ok {
+		rate, ok = r.in.State.Anchors[0].AppendRate()
+	}
+	if !ok || q.sum == nil {
+		return old
+	}
+	rate *= r.scale
+	pBare, pFull := r.localSplit(p)
+	qBare, qFull := r.localSplit(q)
+	text := func(s *Summary, bare, full int) float64 {
+		switch {
+		case s == nil:
+			return 0
+		case s.Tokens > 0:
+			return float64(s.Tokens) // the upstream's count, as summarySplit
+		default:
+			return rate * float64(full-bare)
+		}
+	}
+	e := int(float64(cur) - text(p.sum, pBare, pFull) + text(q.sum, qBare, qFull) + rate*float64(qBare-pBare) + 0.5)
+	if e <= 0 || e >= cur {
+		return old
+	}
+	return e
+}
+
+// localSplit is the local count of p's view without its summary's text
+// (bare) and with it (full).
+func (r *run) localSplit(p plan) (bare, full int) {
+	full = r.in.Estimate(r.view(p)).Local
+	if p.sum == nil {
+		return full, full
+	}
+	b := *p.sum
+	b.Text = ""
+	q := p
+	q.sum = &b
+	return r.in.Estimate(r.view(q)).Local, full
+}
+
 // summaryEst estimates q, a plan whose summary is new, with its text
 // counted as summarySplit does. (The first response then measures the
 // view exactly: later requests are anchored.)

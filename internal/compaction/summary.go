@@ -53,11 +53,12 @@ func (r *run) rejoined(s Summary) *Summary {
 }
 
 // pendingPlan is base (the plan without the head; its trims after the cut
-// are kept) with the background summary applied, and its estimate, when
+// are kept) with the background summary applied, and its estimate (from p,
+// the plan now, whose view's estimate is cur), when
 // that summary's head still matches the client's chain, it lies within the
 // current head and it shrinks the view: no model call on the request that
 // crosses the trigger.
-func (r *run) pendingPlan(base plan, headStart, cur int) (plan, int, bool) {
+func (r *run) pendingPlan(p, base plan, headStart, cur int) (plan, int, bool) {
 	ps := r.st.Pending
 	if ps == nil || !r.chain || ps.Lead != r.lead || ps.Cut <= headStart || ps.Cut > max(r.tail, r.floor) ||
 		ps.Cut >= r.n || r.in.Chain[ps.Cut] != ps.Head {
@@ -65,7 +66,7 @@ func (r *run) pendingPlan(base plan, headStart, cur int) (plan, int, bool) {
 	}
 	s := r.joined(*ps)
 	q := withSummary(base, s)
-	e := r.summaryEst(q)
+	e := r.freshEst(p, cur, q)
 	if e >= cur {
 		return plan{}, 0, false
 	}
@@ -264,7 +265,7 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 	// drop is never chosen while a summary fits.
 	failed := func() (int, bool) { return cur, false }
 	pending := false
-	if q, e, ok := r.pendingPlan(base, headStart, cur); ok {
+	if q, e, ok := r.pendingPlan(*p, base, headStart, cur); ok {
 		take := func(release bool) (int, bool) {
 			r.takePending(release)
 			*p = q
@@ -356,7 +357,7 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 			}
 		}
 		q := withSummary(base, &s)
-		e := r.summaryEst(q)
+		e := r.freshEst(*p, cur, q)
 		if e < cur {
 			*p = q
 			r.newSum = true

@@ -445,7 +445,11 @@ func (s *Server) recordAnchor(ctx context.Context, reqID string, cv *conversatio
 		if len(anchors) > 0 && sameMeasurement(anchors[0], a) {
 			return anchors, false // already the newest: no write (a retried or repeated request)
 		}
-		return compaction.MergeAnchor(anchors, a), true
+		next := a
+		if len(anchors) > 0 {
+			next = anchor.Extend(anchors[0], a, chain)
+		}
+		return compaction.MergeAnchor(anchors, next), true
 	})
 	s.storeResult(reqID, "save", err)
 }

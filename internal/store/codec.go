@@ -20,8 +20,10 @@ import (
 
 const (
 	// v2: anchors carry their view's local estimate; a lineage has a list
-	// of drops.
-	anchorsV1  = 2
+	// of drops. v3: anchors carry the conversation's running totals
+	// (SumInput, SumLocal); v2 anchors still read, with none.
+	anchorsV2  = 2
+	anchorsV1  = 3
 	lineagesV1 = 2
 )
 
@@ -53,6 +55,8 @@ func encodeAnchors(as []anchor.Anchor) []byte {
 		b = binary.AppendUvarint(b, uint64(a.Output))
 		b = binary.AppendVarint(b, a.At)
 		b = binary.AppendUvarint(b, uint64(max(a.Local, 0)))
+		b = binary.AppendUvarint(b, uint64(max(a.SumInput, 0)))
+		b = binary.AppendUvarint(b, uint64(max(a.SumLocal, 0)))
 	}
 	return b
 }
@@ -62,7 +66,8 @@ func decodeAnchors(b []byte) ([]anchor.Anchor, error) {
 		return nil, nil
 	}
 	r := reader{b: b}
-	if r.byte() != anchorsV1 {
+	v := r.byte()
+	if v != anchorsV1 && v != anchorsV2 {
 		return nil, errCodec
 	}
 	n := r.count(40)
@@ -75,6 +80,10 @@ func decodeAnchors(b []byte) ([]anchor.Anchor, error) {
 		a.Output = int(r.uvarint())
 		a.At = r.varint()
 		a.Local = int(r.uvarint())
+		if v == anchorsV1 {
+			a.SumInput = int(r.uvarint())
+			a.SumLocal = int(r.uvarint())
+		}
 		as = append(as, a)
 	}
 	if r.err != nil {

@@ -1,6 +1,7 @@
 package store
 
 import (
+	"encoding/binary"
 	"reflect"
 	"testing"
 	"time"
@@ -35,8 +36,18 @@ func TestCodecRoundTrip(t *testing.T) {
 	if err != nil || !reflect.DeepEqual(got, ls) {
 		t.Fatalf("lineages without Tokens round trip: %v\n got %+v\nwant %+v", err, got, ls)
 	}
-	as := []anchor.Anchor{{PrefixLen: 90, Prefix: d1, Input: 5000, Output: 30, At: 1700000000, Local: 3100}}
+	as := []anchor.Anchor{{PrefixLen: 90, Prefix: d1, Input: 5000, Output: 30, At: 1700000000, Local: 3100, SumInput: 4100, SumLocal: 2700}}
 	if got, err := decodeAnchors(encodeAnchors(as)); err != nil || !reflect.DeepEqual(got, as) {
 		t.Fatalf("anchors round trip: %v %+v", err, got)
+	}
+	// Anchors written before the running totals (v2) still read, with
+	// none.
+	v2 := []byte{anchorsV2, 1, 90}
+	v2 = append(v2, d1[:]...)
+	v2 = binary.AppendUvarint(binary.AppendUvarint(v2, 5000), 30)
+	v2 = binary.AppendUvarint(binary.AppendVarint(v2, 1700000000), 3100)
+	as[0].SumInput, as[0].SumLocal = 0, 0
+	if got, err := decodeAnchors(v2); err != nil || !reflect.DeepEqual(got, as) {
+		t.Fatalf("v2 anchors: %v %+v", err, got)
 	}
 }
