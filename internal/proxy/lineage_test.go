@@ -320,3 +320,29 @@ func TestChangingSystemPromptKeepsLatch(t *testing.T) {
 		t.Fatalf("summarize calls %d in 8 steps with a failing summarizer, want 1 (then the latch)", n)
 	}
 }
+
+// Each recorded anchor carries the conversation's running totals of what
+// its appended messages cost (anchor.Extend): steps that extend the last
+// measured view add theirs (countingUpstream reports a token per 4 bytes
+// of body, so the appended messages' bytes / 4).
+func TestAnchorsCarryTheAppendedMessagesCost(t *testing.T) {
+	up := countingUpstream(t)
+	p := newTestProxy(t, compactionConfig(up.URL, newSummarizerServer(t).URL))
+	a := newAgent()
+	var sizes []int
+	var cv string
+	for a.step < 4 {
+		a.toolStep(400)
+		cv = p.chatOK(t, a.body()).Header.Get("X-Compactproxy-Conversation-Id")
+		sizes = append(sizes, len(a.body())/4)
+	}
+	key := storeKey(tenantOf(p.srv.tenantSecret, http.Header{"Authorization": {"Bearer k"}}), cv)
+	conv, ok, err := p.srv.store.Load(context.Background(), key)
+	if err != nil || !ok || len(conv.Anchors) == 0 {
+		t.Fatalf("state not found: %v", err)
+	}
+	newest := conv.Anchors[0]
+	if want := sizes[3] - sizes[0]; newest.SumInput != want || newest.SumLocal <= 0 {
+		t.Fatalf("newest anchor's totals %d / %d, want the cost of three appended steps, %d, and their local count", newest.SumInput, newest.SumLocal, want)
+	}
+}

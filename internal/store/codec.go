@@ -23,7 +23,7 @@ const (
 	// of drops. v3: anchors carry the conversation's running totals
 	// (SumInput, SumLocal); v2 anchors still read, with none.
 	anchorsV2  = 2
-	anchorsV1  = 3
+	anchorsV3  = 3
 	lineagesV1 = 2
 )
 
@@ -46,7 +46,7 @@ var errCodec = errors.New("store: unreadable value")
 
 func encodeAnchors(as []anchor.Anchor) []byte {
 	b := make([]byte, 0, 2+len(as)*56)
-	b = append(b, anchorsV1)
+	b = append(b, anchorsV3)
 	b = binary.AppendUvarint(b, uint64(len(as)))
 	for _, a := range as {
 		b = binary.AppendUvarint(b, uint64(a.PrefixLen))
@@ -67,7 +67,7 @@ func decodeAnchors(b []byte) ([]anchor.Anchor, error) {
 	}
 	r := reader{b: b}
 	v := r.byte()
-	if v != anchorsV1 && v != anchorsV2 {
+	if v != anchorsV3 && v != anchorsV2 {
 		return nil, errCodec
 	}
 	n := r.count(40)
@@ -80,7 +80,7 @@ func decodeAnchors(b []byte) ([]anchor.Anchor, error) {
 		a.Output = int(r.uvarint())
 		a.At = r.varint()
 		a.Local = int(r.uvarint())
-		if v == anchorsV1 {
+		if v == anchorsV3 {
 			a.SumInput = int(r.uvarint())
 			a.SumLocal = int(r.uvarint())
 		}
