@@ -54,10 +54,9 @@ func (r *run) rejoined(s Summary) *Summary {
 
 // pendingPlan is base (the plan without the head; its trims after the cut
 // are kept) with the background summary applied, and its estimate (from p,
-// the plan now, whose view's estimate is cur), when
-// that summary's head still matches the client's chain, it lies within the
-// current head and it shrinks the view: no model call on the request that
-// crosses the trigger.
+// the plan now, whose view's estimate is cur), when that summary's head
+// still matches the client's chain, it lies within the current head and it
+// shrinks the view: no model call on the request that crosses the trigger.
 func (r *run) pendingPlan(p, base plan, headStart, cur int) (plan, int, bool) {
 	ps := r.st.Pending
 	if ps == nil || !r.chain || ps.Lead != r.lead || ps.Cut <= headStart || ps.Cut > max(r.tail, r.floor) ||

@@ -281,7 +281,7 @@ func (c *Client) Summarize(ctx context.Context, call Call) (string, error) {
 			// chunks that fit.
 			retries++
 			grow := overflowGrowth
-			if est := c.requestTokens(count, prompt, summary, ch.text); se.Prompt > est && est > 0 {
+			if est := requestTokens(count, prompt, summary, ch.text); se.Prompt > est && est > 0 {
 				grow = float64(se.Prompt) / float64(est) * overflowMargin
 			}
 			scale = min(scale*grow, maxScale)
@@ -339,12 +339,12 @@ func scaled(count Counter, scale float64) Counter {
 // countScale is the factor by which the call's Counter is taken to
 // undercount the transcript of its head: what the head costs in the
 // upstream's tokens (Request.HeadTokens, the planner's estimate) against
-// the Counter's count of it. The Counter is calibrated on whole messages, whose JSON a
-// template never renders: on a transcript, text alone, it can count half
-// of what the model spends (stories260K, 1.3 bytes a token: a 3,199-byte
-// request counted as fitting measured 2,122 tokens against a 2,048
-// window). Never under 1: a Counter that overcounts only makes the chunks
-// smaller.
+// the Counter's count of it. The Counter is calibrated on whole messages,
+// whose JSON a template never renders: on a transcript, text alone, it can
+// count half of what the model spends (stories260K, 1.3 bytes a token: a
+// 3,199-byte request counted as fitting measured 2,122 tokens against a
+// 2,048 window). Never under 1: a Counter that overcounts only makes the
+// chunks smaller.
 func countScale(call *Call, blocks []string) float64 {
 	scale := 1.0
 	if call.Count == nil || call.Request.HeadTokens <= 0 {
@@ -506,7 +506,7 @@ func userText(previous, transcript string) string {
 }
 
 // requestTokens is the count of a transcript-shaped request's prompt.
-func (c *Client) requestTokens(count Counter, prompt, previous, transcript string) int {
+func requestTokens(count Counter, prompt, previous, transcript string) int {
 	return count(prompt) + count(userText(previous, transcript)) + templateTokens
 }
 
