@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
+	"github.com/compactproxy/compactproxy/internal/driver"
 	"net/http"
 	"regexp"
 
@@ -39,8 +40,8 @@ func (s *Server) handlePreview(w http.ResponseWriter, r *http.Request) {
 	// A dry run changes nothing and counts nothing; ?summarize=true is a
 	// real summarize, stored and counted like one made by a chat request.
 	summarize := r.URL.Query().Get("summarize") == "true"
-	out, _ := s.compact(r.Context(), r, cr, cv, compactOptions{pass: compaction.PassForward,
-		enabled: s.cfg.Compaction.Enabled, summarize: summarize, commit: summarize})
+	out, _ := s.driver.Decide(r.Context(), s.driverRequest(r, cr, cv, compaction.PassForward),
+		driver.Mode{Enabled: s.cfg.Compaction.Enabled, Summarize: summarize, Commit: summarize})
 	req := cr.req
 	window := s.windows.get(req.Model)
 	resp := previewResponse{
