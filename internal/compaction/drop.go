@@ -109,7 +109,7 @@ func (r *run) dropTurns(p *plan, cur, budget, target int) int {
 	if headSets > 0 {
 		if q, e := pick(headSets, target-1); e < cur {
 			*p, cur = q, e
-			r.newDrop = true
+			r.done.add(stepDropped)
 			if cur <= budget {
 				return cur
 			}
@@ -118,7 +118,7 @@ func (r *run) dropTurns(p *plan, cur, budget, target int) int {
 	if len(sets) > headSets {
 		if q, e := pick(len(sets), budget); e < cur {
 			*p, cur = q, e
-			r.newDrop = true
+			r.done.add(stepDropped)
 		}
 	}
 	return cur

@@ -356,18 +356,8 @@ type run struct {
 	// reapplied are the stored trims that matched.
 	reapplied map[int]int
 
-	newTrims, newSum, newDrop bool
-	// shrunk: the last resort excerpted the re-applied summary.
-	shrunk bool
-	// guarded: the progress guard withheld a summary (the view is within
-	// the budget: the verbatim tail stays verbatim). progressed: it let
-	// this request's compaction through before the trims.
-	guarded, progressed bool
-	// due: a summary is due and the view does not carry it
-	// (ActionSummarizePending): need asks for it, or shadow mode
-	// only reports it.
-	due         bool
-	usedPending bool // a background summary was applied
+	// done is the record of the steps taken (finish reads it).
+	done steps
 	// need is the summary this decision asks for (Output.Need).
 	need *SummaryRequest
 	// corrupt is Planner.corrupt.
@@ -478,13 +468,13 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 	// prefix (the upstream's cache re-evaluates from there) for a step
 	// the next summary folds anyway.
 	if r.summaryWithheld(*p, cur, headStart, budget) {
-		r.guarded = true
+		r.done.add(stepGuarded)
 		return cur
 	}
 	// The guard let this compaction through on the history as it stands:
 	// trims below do not take it back (a trimmed head that then looked too
 	// small to fold would leave a changed prefix and no summary).
-	r.progressed = true
+	r.done.add(stepPassedGuard)
 
 	// 1. Trim tool results outside the leading system messages and the
 	// protected tail, oldest first; not in the head a ready background
@@ -493,7 +483,7 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 	// forwarded prefix (the upstream re-evaluates everything after it)
 	// only to keep that summary stored until a later crossing, older.
 	trimFrom := headStart
-	if _, _, ok := r.pendingPlan(*p, *p, headStart, cur); ok {
+	if r.readyPending(*p, *p, headStart, cur).ok {
 		trimFrom = r.st.Pending.Cut
 	}
 	if cands := r.trimCandidates(*p, trimFrom, max(r.tail, headStart), r.long()); len(cands) > 0 {
@@ -520,7 +510,7 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 	// summary (never the final turn's results: the files the model is
 	// holding; not while the progress guard holds a view within the
 	// budget), then drop whole turns when over the budget.
-	if cur >= target && !r.guarded {
+	if cur >= target && !r.done.has(stepGuarded) {
 		start := p.headStart(r.lead)
 		if cands := r.trimCandidates(*p, start, r.finalResults(), r.long()); len(cands) > 0 {
 			cur, _ = r.applyTrims(p, cands, r.keep, target)
@@ -544,7 +534,7 @@ func (r *run) overBudget(p *plan, cur, budget, target int) int {
 			cur, _ = r.applyTrims(p, cands, tightKeep, budget+1)
 		}
 	}
-	if cur > budget && p.sum != nil && (r.newSum || r.usedPending) {
+	if cur > budget && p.sum != nil && r.done.any(stepSummarized, stepPendingTaken) {
 		// A summary applied now (made, or ready from the background) that
 		// leaves the view over the budget was sized on an estimate the
 		// answer or the client's newest turn proved short (the proxy's

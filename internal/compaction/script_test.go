@@ -195,10 +195,10 @@ func (s *scriptSession) run(line string) string {
 		s.configure(f[1:])
 		return "ok\n"
 	case "system":
-		s.system = sized(f[0], rest)
+		s.system = sizedText(f[0], rest)
 		return "ok\n"
 	case "task", "user":
-		s.msgs = append(s.msgs, userMsg(sized(f[0], rest)))
+		s.msgs = append(s.msgs, userMsg(sizedText(f[0], rest)))
 		return fmt.Sprintf("%d messages\n", len(s.msgs)+1)
 	case "reply":
 		s.msgs = append(s.msgs, asstMsg(rest))
@@ -402,8 +402,8 @@ func describe(out Output, li int) string {
 	return b.String() + "\n"
 }
 
-// sized is text, or a blob of that many bytes when text is a number.
-func sized(tag, text string) string {
+// sizedText is text, or a blob of that many bytes when text is a number.
+func sizedText(tag, text string) string {
 	if n, err := strconv.Atoi(text); err == nil {
 		return blob(tag, n)
 	}

@@ -1,0 +1,62 @@
+package compaction
+
+import "strings"
+
+// step names a thing one Plan did that a later step or finish reads: the
+// run's record of what it took, in place of a flag per step.
+type step uint16
+
+const (
+	// stepTrimmed: the forwarded plan carries trims not re-applied from
+	// the state (finish notes it).
+	stepTrimmed step = 1 << iota
+	// stepSummarized: a summary was made now (accepted from the answer).
+	stepSummarized
+	// stepDropped: turns were dropped now.
+	stepDropped
+	// stepShrunk: the last resort excerpted the summary in the view.
+	stepShrunk
+	// stepPendingTaken: the ready background summary was applied.
+	stepPendingTaken
+	// stepGuarded: the progress guard withheld a summary (the view is
+	// within the budget: the verbatim tail stays verbatim).
+	stepGuarded
+	// stepPassedGuard: the guard let this compaction through before the
+	// trims (trims do not take that back).
+	stepPassedGuard
+	// stepDue: a summary is due and the view does not carry it
+	// (ActionSummarizePending): the need asks for it, or shadow mode only
+	// reports it.
+	stepDue
+	// stepDiscarded: the produced view failed the invariant; the client's
+	// view is forwarded and nothing new is stored.
+	stepDiscarded
+)
+
+var stepNames = []string{"trimmed", "summarized", "dropped", "shrunk", "pending-taken", "guarded", "passed-guard", "due", "discarded"}
+
+// steps is the record of the steps a run took.
+type steps step
+
+func (s *steps) add(x step)     { *s |= steps(x) }
+func (s *steps) forget(x step)  { *s &^= steps(x) }
+func (s steps) has(x step) bool { return s&steps(x) != 0 }
+func (s steps) any(xs ...step) bool {
+	for _, x := range xs {
+		if s.has(x) {
+			return true
+		}
+	}
+	return false
+}
+
+// String lists the steps taken, for test failures and debugging.
+func (s steps) String() string {
+	var out []string
+	for i, n := range stepNames {
+		if s.has(step(1) << i) {
+			out = append(out, n)
+		}
+	}
+	return strings.Join(out, ",")
+}
