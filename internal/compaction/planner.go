@@ -27,8 +27,9 @@ type Config struct {
 	// their call).
 	KeepTail int
 	// TailRatio extends the verbatim tail backward by whole turns while it
-	// stays within this share of the room (budget − F). 0 = no extension
-	// (the configuration's default is 0.3).
+	// stays within this share of the room (budget − F). 0 = no extension:
+	// NewPlanner does not apply DefaultTailRatio, the configuration's
+	// default.
 	TailRatio float64
 	// LatchGrowth is how many provider-visible messages a conversation must
 	// grow after a failed summarize before the next attempt. 0 disables the
@@ -60,15 +61,19 @@ type Config struct {
 	SummaryMinTokens int
 }
 
-// Defaults applied by New to zero fields.
+// Defaults applied by NewPlanner to zero fields.
 const (
 	DefaultTriggerRatio         = 0.80
 	DefaultTargetRatio          = 0.60
 	DefaultTrimToolResultTokens = 1024
 	DefaultSummaryTokens        = 1024
 	DefaultSummaryMinTokens     = 256
-	DefaultTailRatio            = 0.1
 )
+
+// DefaultTailRatio is the configuration's default for Config.TailRatio
+// (compaction.tail_ratio). NewPlanner does not apply it: a zero TailRatio
+// means no extension of the verbatim tail.
+const DefaultTailRatio = 0.1
 
 // SummaryRequest is the summary a decision asks for (Output.Need): what to
 // fold, how large it may be, and the request shape. The proxy obtains it
@@ -177,7 +182,7 @@ type Input struct {
 	Messages []chat.Message
 	// Chain is the record chain of Messages (RecordChain: keyed after the
 	// leading system messages), d[0..n]; stored records match against it.
-	// Without it (wrong length) nothing is re-applied, recorded or
+	// Without it (wrong length) nothing is re-applied, stored or
 	// summarized (a summary that cannot be stored would be asked for again
 	// at every step).
 	Chain []anchor.Digest
@@ -356,7 +361,7 @@ type run struct {
 	// reapplied are the stored trims that matched.
 	reapplied map[int]int
 
-	// done is the record of the steps taken (finish reads it).
+	// done is the log of the steps taken (finish reads it).
 	done steps
 	// need is the summary this decision asks for (Output.Need).
 	need *SummaryRequest
@@ -393,10 +398,12 @@ func (pl *Planner) Plan(in Input) Output {
 	}
 	r.tail = tailStart(r.msgs, cfg.KeepTail)
 	r.floor = r.tail
-	return r.compact()
+	return r.decision()
 }
 
-func (r *run) compact() Output {
+// decision is one Plan: re-apply what is stored, size the view and its
+// thresholds, then run the pass's steps.
+func (r *run) decision() Output {
 	cfg := r.cfg
 	out := Output{}
 

@@ -3,7 +3,7 @@ package compaction
 import "strings"
 
 // step names a thing one Plan did that a later step or finish reads: the
-// run's record of what it took, in place of a flag per step.
+// run's log of what it took, in place of a flag per step.
 type step uint16
 
 const (
@@ -35,7 +35,7 @@ const (
 
 var stepNames = []string{"trimmed", "summarized", "dropped", "shrunk", "pending-taken", "guarded", "passed-guard", "due", "discarded"}
 
-// steps is the record of the steps a run took.
+// steps is the log of the steps a run took.
 type steps step
 
 func (s *steps) add(x step)     { *s |= steps(x) }

@@ -264,7 +264,7 @@ func (r *run) request(p plan, cut, headStart, cur, limit int) *SummaryRequest {
 }
 
 // accept takes the answer in Input.Summary for the summary sized sz (asked
-// for at most limit tokens): the attempt is recorded for the throttle; a
+// for at most limit tokens): the attempt is noted in the state for the throttle; a
 // summary that makes the view smaller applies and releases the latch;
 // anything else is a failure that engages it (unless the call was given
 // up for its requester's sake) and falls back on ready.
