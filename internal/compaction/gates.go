@@ -27,7 +27,7 @@ func (r *run) summaryWithheld(p plan, cur, headStart, budget int) bool {
 	if !cfg.SummarizerEnabled || !r.chain || cur > budget || r.tail <= headStart || r.latched() {
 		return false
 	}
-	if ps := r.st.Pending; ps != nil && ps.Lead == r.lead && ps.Cut > headStart && ps.Cut < r.n && r.in.Chain[ps.Cut] == ps.Head {
+	if r.pendingMatches(headStart) {
 		return false // a background summary is ready: no call to withhold
 	}
 	return r.unsummarized(p, r.tail, headStart) < r.progress()
@@ -36,9 +36,12 @@ func (r *run) summaryWithheld(p plan, cur, headStart, budget int) bool {
 // guardHolds is the progress guard at the summarize step, for a summary
 // cut at cut: a compaction aims at the target so that the next steps fit
 // without compacting again; a new summary is made only once it folds at
-// least progress() of history not yet summarized. Until then the cheaper
-// steps (trim, excerpts, re-applying what is stored) keep the view under
-// the budget; the guard yields when they cannot, and when it already let
+// least progress() of history not yet summarized (folding less is not
+// worth a model call: a view that stays over the trigger after a summary
+// would otherwise be summarized again at every step). Until then the
+// cheaper steps (trim, excerpts, re-applying what is stored) keep the view
+// under the budget; the guard yields when they cannot (the alternative is
+// a drop, and a summary that fits comes first), and when it already let
 // this compaction through before the trims.
 func (r *run) guardHolds(p plan, cut, headStart, cur, budget int) bool {
 	return r.unsummarized(p, cut, headStart) < r.progress() && cur <= budget && !r.done.has(stepPassedGuard)

@@ -75,12 +75,10 @@ type pendingPlan struct {
 // made now (latched, throttled, failed), and a new one folds from the cut
 // as it is now. A drop is never chosen while a summary fits.
 func (r *run) readyPending(p, base plan, headStart, cur int) pendingPlan {
-	ps := r.st.Pending
-	if ps == nil || !r.chain || ps.Lead != r.lead || ps.Cut <= headStart || ps.Cut > max(r.tail, r.floor) ||
-		ps.Cut >= r.n || r.in.Chain[ps.Cut] != ps.Head {
+	if !r.pendingMatches(headStart) || r.st.Pending.Cut > max(r.tail, r.floor) {
 		return pendingPlan{}
 	}
-	s := r.joined(*ps)
+	s := r.joined(*r.st.Pending)
 	q := withSummary(base, s)
 	e := r.estimate(q, &sized{p, cur})
 	if e >= cur {
@@ -112,6 +110,14 @@ func (r *run) fallBack(p *plan, ready pendingPlan, cur int) (int, bool) {
 	return r.takePending(p, ready, !r.st.Latched)
 }
 
+// pendingMatches tells whether the background summary in State.Pending
+// still applies to the client's messages: its head matches their chain
+// and it lies within the head after headStart.
+func (r *run) pendingMatches(headStart int) bool {
+	ps := r.st.Pending
+	return ps != nil && r.chain && ps.Lead == r.lead && ps.Cut > headStart && ps.Cut < r.n && r.in.Chain[ps.Cut] == ps.Head
+}
+
 // keptAfter returns what follows prefix in view when prefix is, byte for
 // byte, the start of view (nil otherwise).
 func keptAfter(prefix, view []chat.Message) []chat.Message {
@@ -133,8 +139,7 @@ func (r *run) presummarize(out Output, p plan, cur int) Output {
 	out.Messages, out.Action, out.Forwarded = r.in.Messages, ActionNone, cur
 	headStart := p.headStart(r.lead)
 	r.tail = r.nextTail(headStart, out)
-	if ps := r.st.Pending; ps != nil && r.chain && ps.Lead == r.lead && ps.Cut > headStart && ps.Cut < r.n &&
-		r.in.Chain[ps.Cut] == ps.Head {
+	if r.pendingMatches(headStart) {
 		// The background summary made at an earlier step still applies:
 		// one is enough until the trigger is crossed.
 	} else if c := r.st.LastAttemptCount; c > 0 && c <= r.n && assistantTurns(r.msgs[c:]) <= backgroundRest {
