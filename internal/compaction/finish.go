@@ -45,7 +45,7 @@ func (r *run) finish(out Output, p plan, cur int) Output {
 
 // changed tells whether this run made compaction records to store.
 func (r *run) changed() bool {
-	return !r.done.has(stepDiscarded) && r.done.any(stepTrimmed, stepSummarized, stepDropped, stepPendingTaken, stepShrunk)
+	return !r.done.has(stepDiscarded) && r.done.has(stepTrimmed|stepSummarized|stepDropped|stepPendingTaken|stepShrunk)
 }
 
 // check renders p and asserts the invariant: every produced view must pass
@@ -92,7 +92,7 @@ func (r *run) actions(p plan) Action {
 	if r.done.has(stepDropped) {
 		r.ev.NewActions = append(r.ev.NewActions, ActionDropped)
 	}
-	if r.done.any(stepTrimmed, stepShrunk) {
+	if r.done.has(stepTrimmed | stepShrunk) {
 		r.ev.NewActions = append(r.ev.NewActions, ActionTrimmed)
 	}
 	if r.done.has(stepDue) {

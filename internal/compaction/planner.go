@@ -541,7 +541,7 @@ func (r *run) overBudget(p *plan, cur, budget, target int) int {
 			cur, _ = r.applyTrims(p, cands, tightKeep, budget+1)
 		}
 	}
-	if cur > budget && p.sum != nil && r.done.any(stepSummarized, stepPendingTaken) {
+	if cur > budget && p.sum != nil && r.done.has(stepSummarized|stepPendingTaken) {
 		// A summary applied now (made, or ready from the background) that
 		// leaves the view over the budget was sized on an estimate the
 		// answer or the client's newest turn proved short (the proxy's

@@ -1,7 +1,5 @@
 package compaction
 
-import "strings"
-
 // step names a thing one Plan did that a later step or finish reads: the
 // run's log of what it took, in place of a flag per step.
 type step uint16
@@ -33,30 +31,11 @@ const (
 	stepDiscarded
 )
 
-var stepNames = []string{"trimmed", "summarized", "dropped", "shrunk", "pending-taken", "guarded", "passed-guard", "due", "discarded"}
-
 // steps is the log of the steps a run took.
 type steps step
 
-func (s *steps) add(x step)     { *s |= steps(x) }
-func (s *steps) forget(x step)  { *s &^= steps(x) }
-func (s steps) has(x step) bool { return s&steps(x) != 0 }
-func (s steps) any(xs ...step) bool {
-	for _, x := range xs {
-		if s.has(x) {
-			return true
-		}
-	}
-	return false
-}
+func (s *steps) add(x step)    { *s |= steps(x) }
+func (s *steps) forget(x step) { *s &^= steps(x) }
 
-// String lists the steps taken, for test failures and debugging.
-func (s steps) String() string {
-	var out []string
-	for i, n := range stepNames {
-		if s.has(step(1) << i) {
-			out = append(out, n)
-		}
-	}
-	return strings.Join(out, ",")
-}
+// has tells whether the run took x (any of them, when x names several).
+func (s steps) has(x step) bool { return s&steps(x) != 0 }
