@@ -277,3 +277,15 @@ func TestBackgroundSummaryStoredPending(t *testing.T) {
 		}
 	})
 }
+
+// A planner that asks for a summary from a driver built without a
+// summarizer gets a failed summary, not a crash.
+func TestNoSummarizer(t *testing.T) {
+	d := New(Config{Planner: compaction.NewPlanner(baseConfig()), Store: store.NewMemoryBackend(0, 0)})
+	msgs := parse(t, verbatimTailConv(false))
+	out, _ := d.Decide(context.Background(), request(t, msgs), full)
+	checkView(t, msgs, out)
+	if !errors.Is(out.Events.SummaryError, ErrNoSummarizer) || out.Action == compaction.ActionSummarized {
+		t.Fatalf("action %q, summary error %v", out.Action, out.Events.SummaryError)
+	}
+}

@@ -2,6 +2,7 @@ package driver
 
 import (
 	"context"
+	"errors"
 	"strconv"
 	"sync"
 	"time"
@@ -176,9 +177,17 @@ func (d *Driver) summarize(ctx context.Context, r *run, need *compaction.Summary
 			tokens = u.Output
 		}
 	}
+	if d.sum == nil {
+		return "", 0, ErrNoSummarizer
+	}
 	text, err := d.sum.Summarize(ctx, call)
 	return text, tokens, err
 }
+
+// ErrNoSummarizer is the summary error of a decision that asked for a
+// summary from a driver built without a summarizer (its planner should
+// have compaction.Config.SummarizerEnabled off).
+var ErrNoSummarizer = errors.New("driver: no summarizer")
 
 // Background summarizes the conversation's head after a response (DESIGN
 // step 2, "Background pre-summarization") when the next request would pass
