@@ -123,3 +123,54 @@ func TestUpstreamTerminalErrorEvent(t *testing.T) {
 		})
 	}
 }
+
+// TestInvalidUTF8Refused: a body whose text is not UTF-8 (raw bytes, a
+// lone surrogate escape) is the client's 400, in the route's own envelope,
+// naming the byte; nothing reaches the upstream (llama-server answers such
+// a body with a 500). A surrogate pair is text like any other.
+func TestInvalidUTF8Refused(t *testing.T) {
+	up := newFakeUpstream(t, nil)
+	p := newTestProxy(t, testConfig(up.URL))
+	bodies := map[string]func(text string) string{
+		"/v1/chat/completions": func(s string) string { return `{"model":"m","messages":[{"role":"user","content":"` + s + `"}]}` },
+		"/v1/responses":        func(s string) string { return `{"model":"m","input":[{"role":"user","content":"` + s + `"}]}` },
+		"/v1/messages": func(s string) string {
+			return `{"model":"m","max_tokens":8,"messages":[{"role":"user","content":"` + s + `"}]}`
+		},
+	}
+	for path, body := range bodies {
+		for _, text := range []string{"ab\xff\xfecd", `ab\ud800cd`, `\udc00`} {
+			b := body(text)
+			resp := p.post(t, path, b, "Anthropic-Version", "2023-06-01")
+			got := readAll(t, resp)
+			off := strings.Index(b, text)
+			if strings.HasPrefix(text, "ab") {
+				off += 2
+			}
+			at := fmt.Sprintf("at byte %d", off)
+			if resp.StatusCode != 400 || !bytes.Contains(got, []byte("invalid UTF-8 "+at)) {
+				t.Errorf("%s %q: %d %s, want 400 naming %q", path, text, resp.StatusCode, got, at)
+			}
+			envelope := `{"error":{"message":`
+			if path == "/v1/messages" {
+				envelope = `{"type":"error","error":{"type":"invalid_request_error","message":`
+			}
+			if !bytes.HasPrefix(got, []byte(envelope)) {
+				t.Errorf("%s: %s is not in the route's envelope (%s…)", path, got, envelope)
+			}
+		}
+		resp := p.post(t, path, body(`\ud83d\ude42 \u00e9 é`), "Anthropic-Version", "2023-06-01")
+		if got := readAll(t, resp); resp.StatusCode != 200 {
+			t.Errorf("%s: a surrogate pair refused: %d %s", path, resp.StatusCode, got)
+		}
+	}
+	n := 0
+	for _, r := range up.requests() {
+		if r.Method == http.MethodPost {
+			n++
+		}
+	}
+	if n != 3 {
+		t.Errorf("%d requests reached the upstream, want the 3 valid ones", n)
+	}
+}

@@ -24,13 +24,33 @@ func nestedCacheControl(depth int, key string) []byte {
 }
 
 // allocated is the heap bytes f allocates: a count of work that does not
-// depend on the machine's speed.
+// depend on the machine's speed or load, unlike a clock.
 func allocated(f func()) uint64 {
 	var m0, m1 runtime.MemStats
 	runtime.ReadMemStats(&m0)
 	f()
 	runtime.ReadMemStats(&m1)
 	return m1.TotalAlloc - m0.TotalAlloc
+}
+
+// The linear work budget of parsing n bytes: workBase + workPerByte*n
+// bytes allocated. Measured: ~1.3 KB for an empty body; at most ~52
+// bytes per byte (a Messages body nesting content 4,800 deep, through
+// encoding/json), 10.7 for a 1 MiB agent body. A quadratic parse of the
+// 68 KB nested body allocated 17,000 per byte.
+const (
+	workBase    = 64 << 10
+	workPerByte = 128
+)
+
+// checkLinearWork fails t when f, run on an input of n bytes, allocates
+// more than the linear budget: the fuzzers' bound on the work per input,
+// so a body that costs more than linear time fails without a clock.
+func checkLinearWork(t *testing.T, n int, f func()) {
+	t.Helper()
+	if a := allocated(f); a > workBase+workPerByte*uint64(n) {
+		t.Fatalf("%d bytes allocated for %d bytes of input (%.0f per byte): more than linear work", a, n, float64(a)/float64(max(n, 1)))
+	}
 }
 
 // TestNestedCacheControlLinear: a deeply nested cache_control costs the
