@@ -140,6 +140,7 @@ func (s *Server) routes(reg *prometheus.Registry) http.Handler {
 	r.Method(http.MethodGet, "/v1/compactproxy/conversations/{id}", wrap("admin", s.handleConversation))
 	r.Method(http.MethodDelete, "/v1/compactproxy/conversations/{id}", wrap("admin", s.handleForget))
 	// Every other path under /v1/compactproxy/ is the proxy's own too.
+	r.Handle("/v1/compactproxy", wrap("admin", handleOwnPath))
 	r.Handle("/v1/compactproxy/*", wrap("admin", handleOwnPath))
 	r.Method(http.MethodGet, "/healthz", wrap("health", s.handleHealthz))
 	r.Method(http.MethodGet, "/readyz", wrap("health", s.handleReadyz))
