@@ -181,6 +181,7 @@ func TestRepairRemovesDuplicateCalls(t *testing.T) {
 	 {"type":"function_call","call_id":"call_dup","name":"ls","arguments":"{\"dir\":\"a\"}"},
 	 {"type":"function_call","call_id":"call_dup","name":"ls","arguments":"{\"dir\":\"b\"}"},
 	 {"type":"function_call_output","call_id":"call_dup","output":"a.txt"},
+	 {"type":"function_call_output","call_id":"call_dup","output":"b.txt"},
 	 {"type":"message","role":"user","content":"now summarize"}]}`
 	resp, b := do(t, "POST", p.URL+"/v1/responses", responses)
 	if resp.StatusCode != 200 || resp.Header.Get("X-Compactproxy-Pairing") != "repaired" {
@@ -190,7 +191,7 @@ func TestRepairRemovesDuplicateCalls(t *testing.T) {
 	if n := count(got, `"type":"function_call"`); n != 1 || count(got, `\"dir\":\"b\"`) != 0 {
 		t.Errorf("responses: %d function_call items reached the upstream (want 1, the first):\n%s", n, got)
 	}
-	if n := count(got, `"type":"function_call_output"`); n != 1 {
+	if n := count(got, `"type":"function_call_output"`); n != 1 || count(got, "b.txt") != 0 {
 		t.Errorf("responses: %d function_call_output items reached the upstream, want 1:\n%s", n, got)
 	}
 
