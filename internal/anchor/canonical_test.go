@@ -2,8 +2,8 @@ package anchor
 
 import (
 	"bytes"
-	"encoding/json"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"slices"
 	"strings"

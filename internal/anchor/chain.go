@@ -19,16 +19,20 @@ type Digest [32]byte
 // come first; then the Responses API's text (text.format), reasoning and
 // include, and Anthropic's thinking (tools and tool_choice are shared).
 // Responses instructions and Anthropic system are not here: they are the
-// leading system message, in the chain already, and d0 also keys the
-// compaction records, which must survive a system prompt that changes.
+// leading system message, chained like any message (and the compaction
+// records, keyed after the system messages, must survive a system prompt
+// that changes).
 var PromptFields = []string{"tools", "functions", "tool_choice", "response_format", "chat_template_kwargs",
 	"text", "reasoning", "include", "thinking"}
 
-// seedFieldsV1 is how many PromptFields the seed hashed before the newer
-// APIs' fields were added: a later field that is absent adds nothing, so
-// a request without them keeps its d0 (and persisted anchors and
-// summaries keep matching).
-const seedFieldsV1 = 5
+// HistoryFields is how many of the first PromptFields shape how the
+// history itself is rendered (tools, template, output format): the
+// compaction records' seed holds these only, so a summary survives a
+// request that changes its reasoning setting. They are also all the seed
+// hashed before the newer APIs' fields were added: a later field that is
+// absent adds nothing, so a request without them keeps its d0 (and
+// persisted anchors and summaries keep matching).
+const HistoryFields = 5
 
 // seedDomain separates seed hashes from every other SHA-256 input here and
 // versions the scheme: changing the canonical form must change it, so old
@@ -51,7 +55,7 @@ func Seed(modelIdentity string, fields map[string][]byte) Digest {
 	buf := c.buf[:0]
 	for j, name := range PromptFields {
 		v := fields[name]
-		if len(v) == 0 && j >= seedFieldsV1 {
+		if len(v) == 0 && j >= HistoryFields {
 			continue
 		}
 		writeLenPrefixed(h, []byte(name))

@@ -164,3 +164,47 @@ func TestConversationStateRead(t *testing.T) {
 		}
 	}
 }
+
+// A reasoning setting is in the anchors' seed (a usage measured with one is
+// no measurement of another) but not in the compaction records': a request
+// that changes it keeps its conversation's lineage instead of starting a
+// second one from nothing.
+func TestReasoningChangeKeepsLineage(t *testing.T) {
+	up := newFakeUpstream(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprintf(w, `{"id":"resp_1","object":"response","status":"completed","model":"m","output":[{"type":"message","id":"m1","role":"assistant","status":"completed","content":[{"type":"output_text","text":"ok","annotations":[]}]}],"usage":{"input_tokens":%d,"output_tokens":2}}`, len(body)/3)
+	})
+	cfg := testConfig(up.URL)
+	cfg.Upstream.ContextWindow = 6000
+	cfg.Compaction.ReserveTokens = 500
+	cfg.Compaction.Summarizer.Enabled = false
+	p := newTestProxy(t, cfg)
+	var items []string
+	items = append(items, `{"type":"message","role":"user","content":"review every file"}`)
+	for i := range 8 {
+		items = append(items,
+			fmt.Sprintf(`{"type":"function_call","call_id":"call_%d","name":"cat","arguments":"{}"}`, i),
+			fmt.Sprintf(`{"type":"function_call_output","call_id":"call_%d","output":%q}`, i, strings.Repeat(fmt.Sprintf("file %d; ", i), 600)))
+	}
+	items = append(items, `{"type":"message","role":"user","content":"continue"}`)
+	var sources []string
+	for _, effort := range []string{"low", "high"} {
+		body := `{"model":"m","reasoning":{"effort":"` + effort + `"},"input":[` + strings.Join(items, ",") + `]}`
+		resp, out := p.send(t, "POST", "/v1/responses", body, "Authorization", "Bearer sk-a", "X-Compactproxy-Conversation", "c")
+		if resp.StatusCode != 200 || resp.Header.Get("X-Compactproxy-Compaction") == "none" {
+			t.Fatalf("effort %s: not compacted: %d %q %s", effort, resp.StatusCode, resp.Header.Get("X-Compactproxy-Compaction"), out)
+		}
+		sources = append(sources, resp.Header.Get("X-Compactproxy-Context-Source"))
+	}
+	if sources[1] != "local" {
+		t.Errorf("the request with another reasoning effort was estimated from %q, want local", sources[1])
+	}
+	resp, out := p.send(t, "GET", "/v1/compactproxy/conversations/c", "", "Authorization", "Bearer sk-a")
+	var st conversationState
+	if resp.StatusCode != 200 || json.Unmarshal(out, &st) != nil {
+		t.Fatalf("GET: %d %s", resp.StatusCode, out)
+	}
+	if len(st.Lineages) != 1 {
+		t.Errorf("%d lineages after a reasoning change, want the one the conversation had: %s", len(st.Lineages), out)
+	}
+}

@@ -127,6 +127,29 @@ func (s *Server) seed(req *chat.Request) anchor.Digest {
 	return anchor.Seed(s.modelIdentity(req.Model), fields)
 }
 
+// recordSeed is the seed of the request's compaction records: seed itself
+// unless the request sends a prompt field past anchor.HistoryFields
+// (reasoning, text, include, thinking), which changes what the provider
+// counts but not which history a summary or trim applies to.
+func (s *Server) recordSeed(in *seedInput, seed anchor.Digest) anchor.Digest {
+	var fields map[string][]byte
+	for j := anchor.HistoryFields; j < min(len(anchor.PromptFields), len(in.values)); j++ {
+		if in.values[j] != nil {
+			fields = map[string][]byte{}
+			break
+		}
+	}
+	if fields == nil {
+		return seed
+	}
+	for j, k := range anchor.PromptFields[:anchor.HistoryFields] {
+		if in.values[j] != nil {
+			fields[k] = in.values[j]
+		}
+	}
+	return anchor.Seed(s.modelIdentity(in.model), fields)
+}
+
 // seedInput is what a request's seed is computed from: the model and the
 // raw values of anchor.PromptFields (the last occurrence of each, nil when
 // absent), as seed reads them.
@@ -360,6 +383,8 @@ func sameIdents(ident []rawIdent, view []chat.Message) bool {
 type conversation struct {
 	id, key, identity string
 	memo              *chainMemo
+	// recordSeed starts the records' chain (recordChain); zero: memo's seed.
+	recordSeed anchor.Digest
 }
 
 // openConversation hashes the view's messages (cached per tenant) and
@@ -377,10 +402,11 @@ func (s *Server) openConversation(r *http.Request, cr *chatRequest) *conversatio
 		memo.known = append(memo.known, e.chain.prefix(n, cr.req.Messages))
 	}
 	return &conversation{
-		id:       id,
-		key:      storeKey(cr.tenant, id),
-		identity: s.modelIdentity(cr.req.Model),
-		memo:     memo,
+		id:         id,
+		key:        storeKey(cr.tenant, id),
+		identity:   s.modelIdentity(cr.req.Model),
+		memo:       memo,
+		recordSeed: s.recordSeed(&cr.seedIn, memo.seed),
 	}
 }
 
@@ -392,7 +418,11 @@ func (cv *conversation) recordChain(view []chat.Message) ([]anchor.Digest, error
 	if err != nil {
 		return nil, err
 	}
-	return compaction.RecordChain(cv.memo.seed, k.digests, compaction.LeadingSystem(view)), nil
+	seed := cv.recordSeed
+	if seed == (anchor.Digest{}) {
+		seed = cv.memo.seed
+	}
+	return compaction.RecordChain(seed, k.digests, compaction.LeadingSystem(view)), nil
 }
 
 // rememberParse keeps this request's parsed messages, digests and chain

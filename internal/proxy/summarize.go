@@ -382,7 +382,7 @@ func (s *Server) newSummaryJob(r *http.Request, cr *chatRequest, run *planRun) *
 	own.view = detachMessages(run.view, cr.req)
 	own.chain = slices.Clone(run.chain)
 	own.cv = &conversation{id: run.cv.id, key: run.cv.key, identity: run.cv.identity,
-		memo: &chainMemo{s: s, seed: run.cv.memo.seed}}
+		memo: &chainMemo{s: s, seed: run.cv.memo.seed}, recordSeed: run.cv.recordSeed}
 	return &summaryJob{reqID: cr.reqID, run: own, call: s.summaryCall(r.Header, cr.req)}
 }
 
