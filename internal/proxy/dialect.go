@@ -36,17 +36,16 @@ func dialectOf(r *http.Request) chat.Dialect {
 	return chat.DialectChat
 }
 
+// previewDialects are the values of preview's ?dialect= (another is the
+// client's error: 400 naming the parameter).
+var previewDialects = map[string]chat.Dialect{"chat": chat.DialectChat, "responses": chat.DialectResponses, "messages": chat.DialectMessages}
+
 // previewDialect is the dialect a preview body is read in: ?dialect=
 // (chat, responses, messages), else Anthropic's version header names
 // Messages, else chat completions.
 func previewDialect(r *http.Request) chat.Dialect {
-	switch r.URL.Query().Get("dialect") {
-	case "responses":
-		return chat.DialectResponses
-	case "messages":
-		return chat.DialectMessages
-	case "chat":
-		return chat.DialectChat
+	if d, ok := previewDialects[r.URL.Query().Get("dialect")]; ok {
+		return d
 	}
 	if r.Header.Get("Anthropic-Version") != "" {
 		return chat.DialectMessages
