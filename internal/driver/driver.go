@@ -47,8 +47,9 @@ type Summarizer interface {
 type Observer interface {
 	// StoreResult reports one store operation ("load", "save", "lock").
 	StoreResult(reqID, op string, err error)
-	// Decided reports a decision whose events count (a committed one).
-	Decided(reqID string, out compaction.Output)
+	// Decided reports a decision whose events count (a committed one) for
+	// the conversation of that id.
+	Decided(reqID, conversation string, out compaction.Output)
 	// ChainFailed reports a view whose digest chain could not be computed.
 	ChainFailed()
 	// Background reports a background summary's summarize call.
@@ -117,8 +118,9 @@ func New(c Config) *Driver {
 // Request is one decision's input: a request's view of its conversation,
 // as the proxy's identify stage knows it.
 type Request struct {
-	// ID is the proxy's request id (logs only).
-	ID string
+	// ID is the proxy's request id, Conversation the conversation's id as
+	// its client sees it (both for logs only).
+	ID, Conversation string
 	// Key is the conversation's tenant-bound state key.
 	Key string
 	// View is the client's provider-visible view.
@@ -205,7 +207,7 @@ func (d *Driver) Decide(ctx context.Context, req Request, m Mode) (compaction.Ou
 		// of overflowing upstream.
 		out := d.plan(r, store.Conversation{}, -1, nil)
 		if m.Commit {
-			d.obs.Decided(req.ID, out)
+			d.obs.Decided(req.ID, req.Conversation, out)
 		}
 		return out, 0
 	}
@@ -227,7 +229,7 @@ func (d *Driver) Decide(ctx context.Context, req Request, m Mode) (compaction.Ou
 		// without the summary now, and store nothing (the summary's save
 		// supersedes it).
 		if m.Commit {
-			d.obs.Decided(req.ID, out)
+			d.obs.Decided(req.ID, req.Conversation, out)
 		}
 		return out, d.now().Sub(start)
 	}
@@ -282,7 +284,7 @@ func (d *Driver) plan(r *run, conv store.Conversation, li int, res *compaction.S
 // still the generation this decision started from, unless force (a
 // summarize result); other lineages and the anchors are untouched.
 func (d *Driver) commit(ctx context.Context, r *run, conv store.Conversation, li int, out compaction.Output, force bool) {
-	d.obs.Decided(r.req.ID, out)
+	d.obs.Decided(r.req.ID, r.req.Conversation, out)
 	if !out.StateChanged {
 		return
 	}
@@ -313,7 +315,7 @@ func (d *Driver) load(ctx context.Context, reqID, key string) (store.Conversatio
 
 type nopObserver struct{}
 
-func (nopObserver) StoreResult(string, string, error) {}
-func (nopObserver) Decided(string, compaction.Output) {}
-func (nopObserver) ChainFailed()                      {}
-func (nopObserver) Background(bool)                   {}
+func (nopObserver) StoreResult(string, string, error)         {}
+func (nopObserver) Decided(string, string, compaction.Output) {}
+func (nopObserver) ChainFailed()                              {}
+func (nopObserver) Background(bool)                           {}

@@ -34,8 +34,8 @@ func (o *seen) StoreResult(_, op string, err error) {
 	o.ops[op] = append(o.ops[op], err)
 }
 
-func (o *seen) Decided(string, compaction.Output) { o.mu.Lock(); o.decided++; o.mu.Unlock() }
-func (o *seen) ChainFailed()                      {}
+func (o *seen) Decided(string, string, compaction.Output) { o.mu.Lock(); o.decided++; o.mu.Unlock() }
+func (o *seen) ChainFailed()                              {}
 func (o *seen) Background(ok bool) {
 	o.mu.Lock()
 	o.background = append(o.background, ok)

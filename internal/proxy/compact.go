@@ -50,16 +50,17 @@ func (s *Server) compactChat(ctx context.Context, r *http.Request, cr *chatReque
 func (s *Server) driverRequest(r *http.Request, cr *chatRequest, cv *conversation, pass compaction.Pass) driver.Request {
 	view, req := cr.client, cr.req
 	return driver.Request{
-		ID:   cr.reqID,
-		Key:  cv.key,
-		View: view,
+		ID:           cr.reqID,
+		Conversation: cv.id,
+		Key:          cv.key,
+		View:         view,
 		Chain: func() ([]anchor.Digest, error) {
 			return cv.recordChain(view)
 		},
 		Estimate: func(anchors []anchor.Anchor) compaction.Estimator {
 			return s.estimator(cv.memo, anchors, cv.identity)
 		},
-		Window:                  s.windows.get(req.Model),
+		Window:                  s.windows.getFor(cr.windowScope()),
 		MaxTokens:               req.MaxTokens,
 		Pass:                    pass,
 		SummaryInUpstreamTokens: s.summaryInUpstreamTokens(req.Model),
@@ -102,7 +103,7 @@ func (s *Server) report(cr *chatRequest, cv *conversation, pass compaction.Pass)
 			}
 			s.log.Warn(msg, zap.String("request_id", cr.reqID), zap.String("conversation", cv.id),
 				zap.Int("fixed_tokens", out.Fixed), zap.Int("forwarded_tokens", out.Forwarded),
-				zap.Int("budget", out.Budget), zap.Int("window", s.windows.get(cr.req.Model)))
+				zap.Int("budget", out.Budget), zap.Int("window", s.windows.getFor(cr.windowScope())))
 		}
 	}
 	action := string(out.Action)
@@ -126,7 +127,7 @@ func (s *Server) report(cr *chatRequest, cv *conversation, pass compaction.Pass)
 	if !first {
 		return // the overflow retry: counted once, on the first pass
 	}
-	if s.windows.get(cr.req.Model) == 0 {
+	if s.windows.getFor(cr.windowScope()) == 0 {
 		s.metrics.UnknownWindow.Inc()
 		if s.windows.warnOnce(cr.req.Model) {
 			s.log.Warn("context window unknown for model; not compacting", zap.String("model", cr.req.Model))
@@ -196,7 +197,7 @@ func (s *Server) record(ctx context.Context, r *http.Request, cr *chatRequest, c
 		return
 	}
 	// A prompt the upstream accepted: no learned window goes below it.
-	s.windows.accept(cr.req.Model, u.Input, s.cfg.Upstream.DiscoveryInterval)
+	s.windows.accept(cr.windowScope(), u.Input, s.cfg.Upstream.DiscoveryInterval)
 	s.metrics.UsageInputTokens.WithLabelValues("uncached").Add(float64(u.Uncached))
 	s.metrics.UsageInputTokens.WithLabelValues("cache_read").Add(float64(u.CacheRead))
 	s.metrics.UsageInputTokens.WithLabelValues("cache_write").Add(float64(u.CacheWrite))

@@ -71,7 +71,9 @@ type driverObserver struct{ s *Server }
 
 func (o driverObserver) StoreResult(reqID, op string, err error) { o.s.storeResult(reqID, op, err) }
 
-func (o driverObserver) Decided(reqID string, out compaction.Output) { o.s.countCompaction(reqID, out) }
+func (o driverObserver) Decided(reqID, conversation string, out compaction.Output) {
+	o.s.countCompaction(reqID, conversation, out)
+}
 
 func (o driverObserver) ChainFailed() { o.s.metrics.CompactionErrors.Inc() }
 

@@ -144,7 +144,9 @@ func (s *Server) summaryCall(h http.Header, req *chat.Request) summarizer.Call {
 		sumModel = req.Model
 	}
 	if s.summarizerIsUpstream {
-		call.Window = s.windows.get(sumModel)
+		// The window the client would get for that model (its tenant's
+		// learned window included).
+		call.Window = s.windows.getFor(windowScope{tenant: tenantOf(s.tenantSecret, h), model: sumModel, shape: windowShape(h)})
 		fit := s.calibration.Fit(s.modelIdentity(sumModel))
 		call.Count = func(text string) int { return textTokens(fit, len(text)) }
 	} else {
