@@ -73,7 +73,7 @@ type URL struct {
 // Errors, fixed texts (config validation prefixes the key).
 var (
 	ErrMalformed    = errors.New("is not a valid URL")
-	ErrScheme       = errors.New("must start with redis://, rediss://, redis+sentinel://, rediss+sentinel://, redis+cluster:// or rediss+cluster://")
+	ErrScheme       = errors.New("must be redis://[[user]:password@]host[:port][/db], redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/master[/db] or redis+cluster://[[user]:password@]host[:port][,host[:port]...] (rediss, rediss+sentinel, rediss+cluster for TLS)")
 	ErrHost         = errors.New("names no host")
 	ErrHostList     = errors.New("has an empty or malformed host in its host list (host[:port],host[:port]...; IPv6 in brackets)")
 	ErrPort         = errors.New("has a port that is not a number from 1 to 65535")
