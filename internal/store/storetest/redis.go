@@ -22,6 +22,7 @@ type Redis struct {
 	port  int
 	t     testing.TB
 	conf  string   // a config file, first on the command line ("": none)
+	dir   string   // working directory (RDB files, cluster and sentinel state)
 	extra []string // further arguments
 }
 
@@ -48,7 +49,8 @@ func needRedis(t testing.TB) {
 // they can write) and extra arguments.
 func startRedis(t testing.TB, conf string, extra ...string) *Redis {
 	t.Helper()
-	r := &Redis{t: t, port: freePort(t), conf: conf, extra: extra}
+	// Its own directory: a replica writes the master's RDB there.
+	r := &Redis{t: t, port: freePort(t), conf: conf, dir: t.TempDir(), extra: extra}
 	r.Start()
 	t.Cleanup(r.Stop)
 	return r
@@ -65,7 +67,7 @@ func (r *Redis) Start() {
 	if r.conf != "" {
 		args = append(args, r.conf)
 	}
-	args = append(args, "--port", strconv.Itoa(r.port), "--bind", "127.0.0.1",
+	args = append(args, "--port", strconv.Itoa(r.port), "--bind", "127.0.0.1", "--dir", r.dir,
 		"--save", "", "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning",
 		"--enable-debug-command", "local") // DEBUG SLEEP: a slow Redis
 	r.cmd = exec.Command("redis-server", append(args, r.extra...)...)

@@ -108,7 +108,7 @@ func StartCluster(t testing.TB, masters int) *Cluster {
 	for i := range masters {
 		n := startRedis(t, "", "--cluster-enabled", "yes",
 			"--cluster-config-file", filepath.Join(dir, "nodes-"+strconv.Itoa(i)+".conf"),
-			"--cluster-node-timeout", "3000", "--dir", dir)
+			"--cluster-node-timeout", "3000")
 		c.Nodes = append(c.Nodes, n)
 		addrs = append(addrs, n.Addr)
 	}
@@ -172,7 +172,7 @@ func StartSentinel(t testing.TB, n int) *Sentinel {
 		if err := os.WriteFile(conf, []byte(body), 0o600); err != nil {
 			t.Fatal(err)
 		}
-		s.Sentinels = append(s.Sentinels, startRedis(t, conf, "--sentinel", "--dir", dir))
+		s.Sentinels = append(s.Sentinels, startRedis(t, conf, "--sentinel"))
 	}
 	waitFor(t, "the sentinels know the replica and each other", 30*time.Second, func() bool {
 		for _, sn := range s.Sentinels {
@@ -244,14 +244,18 @@ func (s *Sentinel) Failover(t testing.TB) {
 
 func (s *Sentinel) waitPromoted(t testing.TB) {
 	t.Helper()
-	waitFor(t, "the sentinels promote the replica", 45*time.Second, func() bool {
-		for _, sn := range s.Sentinels {
-			r, err := sn.Reply("SENTINEL", "GET-MASTER-ADDR-BY-NAME", s.MasterName)
-			if err != nil || len(r) != 2 || r[1] != strconv.Itoa(s.Replica.port) {
-				return false
-			}
+	waitFor(t, "the sentinels promote the replica", 45*time.Second, s.Promoted)
+}
+
+// Promoted tells whether every sentinel names the replica at start as the
+// master and it accepts writes.
+func (s *Sentinel) Promoted() bool {
+	for _, sn := range s.Sentinels {
+		r, err := sn.Reply("SENTINEL", "GET-MASTER-ADDR-BY-NAME", s.MasterName)
+		if err != nil || len(r) != 2 || r[1] != strconv.Itoa(s.Replica.port) {
+			return false
 		}
-		role, err := s.Replica.Reply("ROLE")
-		return err == nil && len(role) > 0 && role[0] == "master"
-	})
+	}
+	role, err := s.Replica.Reply("ROLE")
+	return err == nil && len(role) > 0 && role[0] == "master"
 }
