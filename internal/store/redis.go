@@ -24,8 +24,8 @@ import (
 // anchors and record lineages, so the response path and the compaction
 // path never write the same key; a lease is one key of its own:
 //
-//	single node, Sentinel: {prefix}a:{key}   {prefix}r:{key}   {prefix}l:{name}
-//	Cluster:               {prefix}{{key}}:a {prefix}{{key}}:r {prefix}{{name}}:l
+//	single node, Sentinel: <prefix>a:<key>   <prefix>r:<key>   <prefix>l:<name>
+//	Cluster:               <prefix>{<key>}:a <prefix>{<key>}:r <prefix>{<name>}:l
 //
 // On a cluster the conversation part is a hash tag ("{...}"): both keys
 // hash to one slot, so MGET, DEL and the compare-and-set script (which
@@ -44,9 +44,9 @@ import (
 //
 // Redis is state, not a dependency of traffic: every operation is bounded
 // by the timeout, and after a failure operations fail fast with
-// ErrUnavailable for a second before Redis is tried again (a Sentinel
-// failover or a cluster failover is such a failure: the next try after
-// the pause reaches the new master).
+// ErrUnavailable for a second before Redis is tried again. A failover
+// (Sentinel or Cluster) fails operations only until go-redis follows the
+// new master, which it learns by itself.
 type Redis struct {
 	c       redis.UniversalClient
 	tagged  bool // cluster: a conversation's keys share a hash tag

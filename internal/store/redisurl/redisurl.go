@@ -75,6 +75,7 @@ var (
 	ErrMalformed    = errors.New("is not a valid URL")
 	ErrScheme       = errors.New("must be redis://[[user]:password@]host[:port][/db], redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/master[/db] or redis+cluster://[[user]:password@]host[:port][,host[:port]...] (rediss, rediss+sentinel, rediss+cluster for TLS)")
 	ErrHost         = errors.New("names no host")
+	ErrSeveralHosts = errors.New("lists several hosts: redis:// is one node; use redis+sentinel:// or redis+cluster://")
 	ErrHostList     = errors.New("has an empty or malformed host in its host list (host[:port],host[:port]...; IPv6 in brackets)")
 	ErrPort         = errors.New("has a port that is not a number from 1 to 65535")
 	ErrEscape       = errors.New("has a malformed percent-escape")
@@ -104,6 +105,9 @@ func Parse(raw string) (URL, error) {
 		}
 		if p.Host == "" {
 			return URL{}, ErrHost
+		}
+		if strings.Contains(p.Host, ",") {
+			return URL{}, ErrSeveralHosts
 		}
 		u.TLS = p.Scheme == "rediss"
 		return u, nil

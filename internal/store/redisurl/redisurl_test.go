@@ -48,6 +48,7 @@ func TestParseErrors(t *testing.T) {
 		{"http://:hunter2@h:6379", ErrScheme},
 		{"redis+sentinels://h/m", ErrScheme},
 		{"redis://", ErrHost},
+		{"redis://:hunter2@n1:7000,n2:7001/0", ErrSeveralHosts},
 		{"redis://:hunter2@h:6379/0%zz", ErrMalformed},
 		{"redis+sentinel://:hunter2@s1:26379", ErrMaster},
 		{"redis+sentinel://:hunter2@s1:26379/", ErrMaster},
@@ -83,7 +84,7 @@ func TestParseErrors(t *testing.T) {
 	}
 }
 
-var fixed = []error{ErrMalformed, ErrScheme, ErrHost, ErrHostList, ErrPort, ErrEscape, ErrMaster,
+var fixed = []error{ErrMalformed, ErrScheme, ErrHost, ErrSeveralHosts, ErrHostList, ErrPort, ErrEscape, ErrMaster,
 	ErrDB, ErrPath, ErrClusterDB, ErrQuery, ErrClusterQuery, ErrFragment}
 
 // FuzzParse: never a panic, only the fixed errors (never one that quotes
