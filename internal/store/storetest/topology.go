@@ -170,7 +170,7 @@ func StartSentinel(t testing.TB, n int) *Sentinel {
 		conf := filepath.Join(dir, "sentinel-"+strconv.Itoa(i)+".conf")
 		body := fmt.Sprintf("sentinel monitor %[1]s 127.0.0.1 %[2]d 1\n"+
 			"sentinel down-after-milliseconds %[1]s 1000\n"+
-			"sentinel failover-timeout %[1]s 10000\n"+
+			"sentinel failover-timeout %[1]s 4000\n"+
 			"sentinel parallel-syncs %[1]s 1\n", s.MasterName, s.Master.port)
 		if err := os.WriteFile(conf, []byte(body), 0o600); err != nil {
 			t.Fatal(err)
