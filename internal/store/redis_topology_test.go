@@ -137,3 +137,23 @@ func TestRedisSentinelFailover(t *testing.T) {
 		})
 	}
 }
+
+// BenchmarkRedisClusterLoad is BenchmarkRedisLoad against a local 3-master
+// cluster: one request's read (MGET of both keys, one slot, one node).
+func BenchmarkRedisClusterLoad(b *testing.B) {
+	cl := storetest.StartCluster(b, 3)
+	r, err := OpenRedis(RedisOptions{URL: cl.URL(), Prefix: "cp:", TTL: time.Hour, Timeout: time.Second})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer r.Close()
+	ctx := context.Background()
+	_ = r.UpdateLineages(ctx, "k", saveLineage(lineage(1, "a summary"), 0, true))
+	_ = r.UpdateAnchors(ctx, "k", addAnchor(anchor.Anchor{PrefixLen: 3}))
+	b.ResetTimer()
+	for b.Loop() {
+		if _, _, err := r.Load(ctx, "k"); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
