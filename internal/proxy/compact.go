@@ -69,7 +69,7 @@ func (s *Server) report(cr *chatRequest, cv *conversation, pass compaction.Pass)
 			}
 			s.log.Warn(msg, zap.String("request_id", cr.reqID), zap.String("conversation", cv.id),
 				zap.Int("fixed_tokens", out.Fixed), zap.Int("forwarded_tokens", out.Forwarded),
-				zap.Int("budget", out.Budget), zap.Int("window", s.windows.get(cr.req.Model)))
+				zap.Int("budget", out.Budget), zap.Int("window", s.windows.getFor(cr.windowScope())))
 		}
 	}
 	action := string(out.Action)
@@ -93,7 +93,7 @@ func (s *Server) report(cr *chatRequest, cv *conversation, pass compaction.Pass)
 	if !first {
 		return // the overflow retry: counted once, on the first pass
 	}
-	if s.windows.get(cr.req.Model) == 0 {
+	if s.windows.getFor(cr.windowScope()) == 0 {
 		s.metrics.UnknownWindow.Inc()
 		if s.windows.warnOnce(cr.req.Model) {
 			s.log.Warn("context window unknown for model; not compacting", zap.String("model", cr.req.Model))
@@ -149,7 +149,7 @@ func (s *Server) recoverOnce(ctx context.Context, r *http.Request, cr *chatReque
 	if out := cr.decision; out.Budget <= 0 || out.Forwarded > out.Budget {
 		return false
 	}
-	s.metrics.UpstreamRetries.WithLabelValues("chat", "context_overflow").Inc()
+	s.metrics.UpstreamRetries.WithLabelValues(cr.dialect.String(), "context_overflow").Inc()
 	return true
 }
 
@@ -163,7 +163,7 @@ func (s *Server) record(ctx context.Context, r *http.Request, cr *chatRequest, c
 		return
 	}
 	// A prompt the upstream accepted: no learned window goes below it.
-	s.windows.accept(cr.req.Model, u.Input, s.cfg.Upstream.DiscoveryInterval)
+	s.windows.accept(cr.windowScope(), u.Input, s.cfg.Upstream.DiscoveryInterval)
 	s.metrics.UsageInputTokens.WithLabelValues("uncached").Add(float64(u.Uncached))
 	s.metrics.UsageInputTokens.WithLabelValues("cache_read").Add(float64(u.CacheRead))
 	s.metrics.UsageInputTokens.WithLabelValues("cache_write").Add(float64(u.CacheWrite))
@@ -190,7 +190,7 @@ type compactOptions struct {
 func (s *Server) compact(ctx context.Context, r *http.Request, cr *chatRequest, cv *conversation, o compactOptions) (compaction.Output, time.Duration) {
 	reqID := cr.reqID
 	view, model, maxTokens := cr.client, cr.req.Model, cr.req.MaxTokens
-	window := s.windows.get(model)
+	window := s.windows.getFor(cr.windowScope())
 	conv, loaded := s.loadConversation(ctx, reqID, cv.key)
 	estimateOnly := func() compaction.Output {
 		e := s.estimator(cv.memo, conv.Anchors, cv.identity)(view)
@@ -223,7 +223,7 @@ func (s *Server) compact(ctx context.Context, r *http.Request, cr *chatRequest, 
 		// is still answered instead of overflowing upstream.
 		out := s.planner.Plan(s.planInput(&run, store.Conversation{}, -1))
 		if o.commit {
-			s.countCompaction(reqID, out)
+			s.countCompaction(reqID, cv.id, out)
 		}
 		return out, 0
 	}
@@ -245,7 +245,7 @@ func (s *Server) compact(ctx context.Context, r *http.Request, cr *chatRequest, 
 		// without the summary now, and store nothing (the summary's save
 		// supersedes it).
 		if o.commit {
-			s.countCompaction(reqID, out)
+			s.countCompaction(reqID, cv.id, out)
 		}
 		return out, time.Since(start)
 	}
@@ -290,7 +290,7 @@ func (s *Server) planInput(run *planRun, conv store.Conversation, li int) compac
 // still the generation this decision started from, unless force (a
 // summarize result); other lineages and the anchors are untouched.
 func (s *Server) commitRun(ctx context.Context, reqID string, run *planRun, conv store.Conversation, li int, out compaction.Output, force bool) {
-	s.countCompaction(reqID, out)
+	s.countCompaction(reqID, run.cv.id, out)
 	if !out.StateChanged {
 		return
 	}

@@ -36,17 +36,16 @@ func dialectOf(r *http.Request) chat.Dialect {
 	return chat.DialectChat
 }
 
+// previewDialects are the values of preview's ?dialect= (another is the
+// client's error: 400 naming the parameter).
+var previewDialects = map[string]chat.Dialect{"chat": chat.DialectChat, "responses": chat.DialectResponses, "messages": chat.DialectMessages}
+
 // previewDialect is the dialect a preview body is read in: ?dialect=
 // (chat, responses, messages), else Anthropic's version header names
 // Messages, else chat completions.
 func previewDialect(r *http.Request) chat.Dialect {
-	switch r.URL.Query().Get("dialect") {
-	case "responses":
-		return chat.DialectResponses
-	case "messages":
-		return chat.DialectMessages
-	case "chat":
-		return chat.DialectChat
+	if d, ok := previewDialects[r.URL.Query().Get("dialect")]; ok {
+		return d
 	}
 	if r.Header.Get("Anthropic-Version") != "" {
 		return chat.DialectMessages
@@ -209,20 +208,31 @@ func (sr *streamRules) usage(data []byte, last anchor.Usage) (anchor.Usage, bool
 	return anchor.UsageFromJSON(data)
 }
 
-// ends tells whether an event ends a complete answer of the dialect:
-// [DONE] or a finish reason (chat), response.completed or
-// response.incomplete (Responses), message_stop (Messages). Only an
-// event that names one of those is decoded (never a text delta).
+// ends tells whether an event ends the dialect's stream cleanly: [DONE]
+// or a finish reason (chat), response.completed or response.incomplete
+// (Responses), message_stop (Messages), or the upstream's own terminal
+// error event (Responses response.failed or error, Messages error), which
+// the client gets as it came: the stream was not broken off, it ended in
+// an error the upstream reported. Only an event that names one of those is
+// decoded (never a text delta).
 func (sr *streamRules) ends(data []byte) bool {
 	switch sr.d {
 	case chat.DialectResponses:
-		if !bytes.Contains(data, []byte(`response.completed"`)) && !bytes.Contains(data, []byte(`response.incomplete"`)) {
+		if !bytes.Contains(data, []byte(`response.completed"`)) && !bytes.Contains(data, []byte(`response.incomplete"`)) &&
+			!bytes.Contains(data, []byte(`response.failed"`)) && !bytes.Contains(data, []byte(`"error"`)) {
+			return false
+		}
+		switch eventType(data) {
+		case "response.completed", "response.incomplete", "response.failed", "error":
+			return true
+		}
+		return false
+	case chat.DialectMessages:
+		if !bytes.Contains(data, []byte(`message_stop"`)) && !bytes.Contains(data, []byte(`"error"`)) {
 			return false
 		}
 		t := eventType(data)
-		return t == "response.completed" || t == "response.incomplete"
-	case chat.DialectMessages:
-		return bytes.Contains(data, []byte(`message_stop"`)) && eventType(data) == "message_stop"
+		return t == "message_stop" || t == "error"
 	}
 	return bytes.Equal(data, doneData) || (bytes.Contains(data, finishReasonKey) && finished(data))
 }
@@ -249,42 +259,47 @@ func eventType(data []byte) string {
 // holding these first events lets recovery retry before the client has
 // seen a byte.
 func earlyFailure(body io.ReadCloser) (replay io.ReadCloser, failed bool, errBody []byte) {
-	br := bufio.NewReaderSize(body, 4096)
+	br := bufio.NewReaderSize(body, streamReaderSize)
 	var read []byte
-	var ev []byte
-	for len(read) < 1<<20 {
+	evStart := 0     // where the event being read starts in read
+	partial := false // the last ReadSlice ended mid-line
+hold:
+	for len(read) < maxEarlyHold {
+		// response.created and response.in_progress carry the whole
+		// response object (Codex's instructions and tools: ~20 KB), so
+		// a line is held whatever its length, up to maxEarlyHold in all.
 		line, err := br.ReadSlice('\n')
-		if err == bufio.ErrBufferFull {
-			// A long line: the answer has begun (no failure event is this
-			// long).
-			read = append(read, line...)
-			break
-		}
 		read = append(read, line...)
-		ev = append(ev, line...)
-		if isBlank(line) || err != nil {
-			data := eventData(ev)
-			ev = ev[:0]
-			switch t := eventType(data); {
-			case t == "response.failed":
-				var f struct {
-					Response struct {
-						Error json.RawMessage `json:"error"`
-					} `json:"response"`
-				}
-				if json.Unmarshal(data, &f) == nil && len(f.Response.Error) > 0 && string(f.Response.Error) != "null" {
-					rest, _ := io.ReadAll(io.LimitReader(br, maxErrorBody))
-					body.Close()
-					env := append(append([]byte(`{"error":`), f.Response.Error...), '}')
-					return io.NopCloser(bytes.NewReader(append(read, rest...))), true, env
-				}
-			case t == "" && len(data) == 0:
-			case t != "response.created" && t != "response.in_progress" && t != "response.queued":
-				err = io.EOF // the answer has begun: stop holding
+		if err == bufio.ErrBufferFull {
+			partial = true
+			continue
+		}
+		blank := !partial && isBlank(line)
+		partial = false
+		if !blank && err == nil {
+			continue
+		}
+		data := eventData(read[evStart:])
+		evStart = len(read)
+		switch t := eventType(data); {
+		case t == "response.failed":
+			var f struct {
+				Response struct {
+					Error json.RawMessage `json:"error"`
+				} `json:"response"`
 			}
-			if err != nil {
-				break
+			if json.Unmarshal(data, &f) == nil && len(f.Response.Error) > 0 && string(f.Response.Error) != "null" {
+				rest, _ := io.ReadAll(io.LimitReader(br, maxErrorBody))
+				body.Close()
+				env := append(append([]byte(`{"error":`), f.Response.Error...), '}')
+				return io.NopCloser(bytes.NewReader(append(read, rest...))), true, env
 			}
+		case t == "" && len(data) == 0:
+		case t != "response.created" && t != "response.in_progress" && t != "response.queued":
+			break hold // the answer has begun: stop holding
+		}
+		if err != nil {
+			break
 		}
 	}
 	return readCloser{io.MultiReader(bytes.NewReader(read), br), body}, false, nil
@@ -323,3 +338,8 @@ var selfCompactionMarkers = []string{
 	"create a detailed summary of the conversation so far",      // Claude Code
 	"Provide a detailed prompt for continuing our conversation", // opencode
 }
+
+// maxEarlyHold bounds the bytes earlyFailure holds before it lets the
+// stream through: far above a real response.created (tens of KB), low
+// enough that an endless first line pins little memory.
+const maxEarlyHold = 4 << 20

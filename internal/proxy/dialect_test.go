@@ -52,10 +52,13 @@ func newDialectUpstream(t *testing.T, window int) *dialectUpstream {
 				u.overflows.Add(1)
 				if req.Stream && u.failInStream {
 					w.Header().Set("Content-Type", "text/event-stream")
-					io.WriteString(w, "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"r\",\"status\":\"in_progress\"}}\n\n")
+					// Full-size events, as OpenAI sends them: each carries
+					// the response object with the request's instructions
+					// and tools (20+ KB for Codex).
+					io.WriteString(w, "event: response.created\ndata: {\"type\":\"response.created\",\"response\":"+fullResponse("in_progress", "null")+"}\n\n")
 					// Members in sorted order, as an encoder that sorts keys
 					// writes them: "type" last.
-					fmt.Fprintf(w, "event: response.failed\ndata: {\"response\":{\"error\":{\"code\":\"context_length_exceeded\",\"message\":\"This model's maximum context length is %d tokens. However, your messages resulted in %d tokens.\"},\"id\":\"r\",\"status\":\"failed\"},\"sequence_number\":1,\"type\":\"response.failed\"}\n\n", u.window, tokens)
+					fmt.Fprintf(w, "event: response.failed\ndata: {\"response\":{\"error\":{\"code\":\"context_length_exceeded\",\"message\":\"This model's maximum context length is %d tokens. However, your messages resulted in %d tokens.\"},\"id\":\"r\",\"instructions\":%q,\"status\":\"failed\"},\"sequence_number\":1,\"type\":\"response.failed\"}\n\n", u.window, tokens, strings.Repeat("You are a coding agent. ", 1000))
 					return
 				}
 				w.WriteHeader(400)
@@ -205,7 +208,7 @@ func TestDialectLoopsCompact(t *testing.T) {
 				fwd := lastAgentRequest(t, up, path)
 				checkForwarded(t, tc.d, step, []byte(body), fwd, newest)
 			}
-			retries := counter(t, p.reg, "compactproxy_upstream_retries_total", map[string]string{"op": "chat", "reason": "context_overflow"})
+			retries := counter(t, p.reg, "compactproxy_upstream_retries_total", map[string]string{"op": tc.d.String(), "reason": "context_overflow"})
 			t.Logf("overflows %d, recovered %v, summarize calls %d, compacted answers %d", up.overflows.Load(), retries, up.summaries.Load(), summarized)
 			if overstated && (up.overflows.Load() == 0 || retries != float64(up.overflows.Load())) {
 				t.Errorf("overstated window: %d overflows, %v recovered (want every one)", up.overflows.Load(), retries)

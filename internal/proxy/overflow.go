@@ -5,6 +5,8 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+
+	"go.uber.org/zap"
 )
 
 // overflowInfo is what an upstream's context-overflow answer told us.
@@ -165,15 +167,23 @@ func (s *Server) learnOverflow(cr *chatRequest, status int, body []byte) (overfl
 	if !ok {
 		return info, false
 	}
+	sc := cr.windowScope()
 	if info.nCtx > 0 {
-		s.windows.learn(cr.req.Model, info.nCtx, s.cfg.Upstream.DiscoveryInterval)
+		old := s.windows.getFor(sc)
+		if s.windows.learn(sc, info.nCtx, s.cfg.Upstream.DiscoveryInterval) && (old == 0 || info.nCtx < old) {
+			// Model identity and sizes only: the tenant is a keyed hash,
+			// and never logged.
+			s.log.Info("context window lowered by an overflow answer", zap.String("request_id", cr.reqID),
+				zap.String("upstream", s.upstreamName), zap.String("model", cr.req.Model),
+				zap.Int("old_window", old), zap.Int("new_window", info.nCtx), zap.Duration("for", s.cfg.Upstream.DiscoveryInterval))
+		}
 	}
 	if info.prompt == 0 {
 		// An overflow without sizes (OpenAI's "Your input exceeds the
 		// context window of this model") still proves the forwarded input
 		// is over the window: measured as one token more, so recovery
 		// compacts below it instead of rebuilding the same view.
-		if w := s.windows.get(cr.req.Model); w > 0 {
+		if w := s.windows.getFor(sc); w > 0 {
 			info.prompt = w + 1
 		}
 	}

@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"io"
 	"net/http"
+	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -20,17 +22,21 @@ import (
 // A learned n_ctx is evidence the upstream gave about itself (DESIGN §
 // Window; CRAFT habit 25): it comes only from a recognized overflow answer
 // (recognizeOverflow), it is never below the largest prompt the upstream
-// already accepted for that model, and it expires after
-// upstream.discovery_interval, so one request's answer never shrinks the
-// window for every tenant for good.
+// already accepted in the same scope, and it expires after
+// upstream.discovery_interval. Both are per windowScope: the tenant, the
+// model and the window-shaping headers. One model name may have several
+// windows (Anthropic's context-1m beta: 1M with it, 200k without; an
+// account's own limits), so one tenant's accepted prompt never stops
+// another's learning, and what one tenant learned never lowers another's
+// window.
 type windows struct {
 	mu         sync.RWMutex
 	table      map[string]int
 	configured int
 	discovered map[string]int // per model (vLLM)
 	discDef    int            // whole upstream (llama.cpp /props)
-	learned    map[string]learnedWindow
-	accepted   map[string]learnedWindow // the largest prompt accepted, per model
+	learned    map[windowScope]learnedWindow
+	accepted   map[windowScope]learnedWindow // the largest prompt accepted, per scope
 	warned     map[string]bool
 	now        func() time.Time // nil: time.Now
 }
@@ -41,12 +47,44 @@ type learnedWindow struct {
 	exp time.Time
 }
 
-// maxLearned bounds the per-model maps (model names come from clients).
-const maxLearned = 1024
+// windowScope is what a learned window and an accepted prompt apply to:
+// the tenant, the requested model (the upstream is one, so the model names
+// the model identity) and the request headers that change the window.
+type windowScope struct {
+	tenant, model, shape string
+}
+
+// windowShape is the part of a request's headers that selects a window:
+// Anthropic's context-window betas (context-1m-2025-08-07), sorted. Other
+// betas (tool streaming, thinking) leave the window as it is.
+func windowShape(h http.Header) string {
+	var betas []string
+	for _, v := range h.Values("Anthropic-Beta") {
+		for _, b := range strings.Split(v, ",") {
+			b = strings.TrimSpace(b)
+			if len(b) > len("context-") && strings.HasPrefix(b, "context-") && b[len("context-")] >= '0' && b[len("context-")] <= '9' {
+				betas = append(betas, b)
+			}
+		}
+	}
+	if len(betas) == 0 {
+		return ""
+	}
+	slices.Sort(betas)
+	return strings.Join(slices.Compact(betas), ",")
+}
+
+// windowScope is the scope of cr's window.
+func (cr *chatRequest) windowScope() windowScope {
+	return windowScope{tenant: cr.tenant, model: cr.req.Model, shape: windowShape(cr.headers)}
+}
+
+// maxLearned bounds the per-scope maps (model names come from clients).
+const maxLearned = 4096
 
 func newWindows(table map[string]int, configured int) *windows {
 	return &windows{table: table, configured: configured, discovered: map[string]int{},
-		learned: map[string]learnedWindow{}, accepted: map[string]learnedWindow{}, warned: map[string]bool{}}
+		learned: map[windowScope]learnedWindow{}, accepted: map[windowScope]learnedWindow{}, warned: map[string]bool{}}
 }
 
 func (w *windows) clock() time.Time {
@@ -56,15 +94,20 @@ func (w *windows) clock() time.Time {
 	return time.Now()
 }
 
-// get returns the window for model, 0 when unknown.
-func (w *windows) get(model string) int {
+// get returns the window for model, 0 when unknown, without what any
+// tenant learned.
+func (w *windows) get(model string) int { return w.getFor(windowScope{model: model}) }
+
+// getFor returns the window in scope sc, 0 when unknown.
+func (w *windows) getFor(sc windowScope) int {
+	model := sc.model
 	if n := w.table[model]; n > 0 {
 		return n
 	}
 	w.mu.RLock()
 	defer w.mu.RUnlock()
 	learned := 0
-	if l, ok := w.learned[model]; ok && w.clock().Before(l.exp) {
+	if l, ok := w.learned[sc]; ok && w.clock().Before(l.exp) {
 		learned = l.n
 	}
 	lower := func(n int) int {
@@ -90,42 +133,42 @@ func (w *windows) get(model string) int {
 // every model).
 func (w *windows) needsDiscovery() bool { return w.configured == 0 }
 
-// learn records an n_ctx reported by a recognized overflow answer, for ttl
-// (upstream.discovery_interval; 0: not kept). It is refused when it is
-// below a prompt the upstream accepted for that model within ttl: the
-// upstream's own answers disagree, and the larger proves more. It reports
-// whether n was kept.
-func (w *windows) learn(model string, n int, ttl time.Duration) bool {
+// learn records an n_ctx reported by a recognized overflow answer in scope
+// sc, for ttl (upstream.discovery_interval; 0: not kept). It is refused
+// when it is below a prompt the upstream accepted in the same scope within
+// ttl: the upstream's own answers disagree, and the larger proves more. It
+// reports whether n was kept.
+func (w *windows) learn(sc windowScope, n int, ttl time.Duration) bool {
 	if n <= 0 || ttl <= 0 {
 		return false
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	now := w.clock()
-	if a, ok := w.accepted[model]; ok && now.Before(a.exp) && n < a.n {
+	if a, ok := w.accepted[sc]; ok && now.Before(a.exp) && n < a.n {
 		return false
 	}
-	if _, ok := w.learned[model]; !ok && len(w.learned) >= maxLearned {
+	if _, ok := w.learned[sc]; !ok && len(w.learned) >= maxLearned {
 		prune(w.learned, now)
 		if len(w.learned) >= maxLearned {
 			return false
 		}
 	}
-	w.learned[model] = learnedWindow{n: n, exp: now.Add(ttl)}
+	w.learned[sc] = learnedWindow{n: n, exp: now.Add(ttl)}
 	return true
 }
 
-// accept records a prompt of input tokens the upstream accepted for model
-// (a successful answer's reported input), kept for ttl: a learned n_ctx is
-// never below it.
-func (w *windows) accept(model string, input int, ttl time.Duration) {
+// accept records a prompt of input tokens the upstream accepted in scope
+// sc (a successful answer's reported input), kept for ttl: a learned n_ctx
+// in that scope is never below it.
+func (w *windows) accept(sc windowScope, input int, ttl time.Duration) {
 	if input <= 0 || ttl <= 0 {
 		return
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	now := w.clock()
-	a, ok := w.accepted[model]
+	a, ok := w.accepted[sc]
 	if ok && now.Before(a.exp) && a.n >= input {
 		return
 	}
@@ -135,14 +178,14 @@ func (w *windows) accept(model string, input int, ttl time.Duration) {
 			return
 		}
 	}
-	w.accepted[model] = learnedWindow{n: input, exp: now.Add(ttl)}
-	if l, ok := w.learned[model]; ok && l.n < input {
-		delete(w.learned, model) // the upstream just accepted more than it
+	w.accepted[sc] = learnedWindow{n: input, exp: now.Add(ttl)}
+	if l, ok := w.learned[sc]; ok && l.n < input {
+		delete(w.learned, sc) // the upstream just accepted more than it
 	}
 }
 
 // prune drops expired entries.
-func prune(m map[string]learnedWindow, now time.Time) {
+func prune(m map[windowScope]learnedWindow, now time.Time) {
 	for k, v := range m {
 		if !now.Before(v.exp) {
 			delete(m, k)

@@ -34,8 +34,8 @@ func TestLearnedWindowBounds(t *testing.T) {
 			now := time.Unix(1_000_000, 0)
 			w := newWindows(nil, tc.configured)
 			w.now = func() time.Time { return now }
-			w.accept("m", tc.accepted, ttl)
-			w.learn("m", tc.learn, ttl)
+			w.accept(windowScope{model: "m"}, tc.accepted, ttl)
+			w.learn(windowScope{model: "m"}, tc.learn, ttl)
 			now = now.Add(tc.after)
 			if got := w.get("m"); got != tc.want {
 				t.Errorf("window %d, want %d", got, tc.want)
@@ -50,10 +50,42 @@ func TestLearnedWindowBounds(t *testing.T) {
 // A prompt accepted above a learned n_ctx disproves it.
 func TestAcceptedPromptDropsLearnedWindow(t *testing.T) {
 	w := newWindows(nil, 8000)
-	w.learn("m", 3000, time.Minute)
-	w.accept("m", 3500, time.Minute)
+	w.learn(windowScope{model: "m"}, 3000, time.Minute)
+	w.accept(windowScope{model: "m"}, 3500, time.Minute)
 	if got := w.get("m"); got != 8000 {
 		t.Errorf("window %d after the upstream accepted 3500, want 8000", got)
+	}
+}
+
+// A learned window and the accepted prompts that bound it are per tenant,
+// model and window-shaping headers: tenant A's prompt accepted under
+// Anthropic's 1M beta does not stop tenant B's 200k from being learned,
+// and what B learned lowers only B's window (DESIGN § Window).
+func TestLearnedWindowScope(t *testing.T) {
+	const ttl = time.Minute
+	beta := http.Header{"Anthropic-Beta": {"interleaved-thinking-2025-05-14, context-1m-2025-08-07"}}
+	a1m := windowScope{tenant: "a", model: "claude", shape: windowShape(beta)}
+	a := windowScope{tenant: "a", model: "claude"}
+	b := windowScope{tenant: "b", model: "claude", shape: windowShape(http.Header{"Anthropic-Beta": {"fine-grained-tool-streaming-2025-05-14"}})}
+	if a1m.shape != "context-1m-2025-08-07" || b.shape != "" {
+		t.Fatalf("window shapes %q and %q, want the context beta alone and none", a1m.shape, b.shape)
+	}
+	w := newWindows(nil, 1_000_000)
+	w.accept(a1m, 600_000, ttl)
+	if !w.learn(b, 200_000, ttl) {
+		t.Fatal("tenant B's own overflow was refused because of tenant A's accepted prompt")
+	}
+	for _, c := range []struct {
+		sc   windowScope
+		want int
+	}{{b, 200_000}, {a1m, 1_000_000}, {a, 1_000_000}, {windowScope{tenant: "b", model: "other"}, 1_000_000}} {
+		if got := w.getFor(c.sc); got != c.want {
+			t.Errorf("window in %+v: %d, want %d", c.sc, got, c.want)
+		}
+	}
+	// Within one scope the accepted prompt still bounds what is learned.
+	if w.learn(a1m, 200_000, ttl) || w.getFor(a1m) != 1_000_000 {
+		t.Error("a window below a prompt accepted in the same scope was learned")
 	}
 }
 
