@@ -42,7 +42,7 @@ func (s *Server) handlePreview(w http.ResponseWriter, r *http.Request) {
 	out, _ := s.compact(r.Context(), r, cr, cv, compactOptions{pass: compaction.PassForward,
 		enabled: s.cfg.Compaction.Enabled, summarize: summarize, commit: summarize})
 	req := cr.req
-	window := s.windows.get(req.Model)
+	window := s.windows.Get(req.Model)
 	resp := previewResponse{
 		Messages:        make([]json.RawMessage, len(out.Messages)),
 		Action:          string(out.Action),
@@ -58,7 +58,7 @@ func (s *Server) handlePreview(w http.ResponseWriter, r *http.Request) {
 	for i, m := range out.Messages {
 		resp.Messages[i] = json.RawMessage(m.Raw)
 	}
-	if d := cr.dialect; d != chat.DialectChat {
+	if d := cr.api.Dialect(); d != chat.DialectChat {
 		// The view in the client's own dialect: the items (Responses) or
 		// messages (Messages) the request would carry.
 		var body map[string]json.RawMessage

@@ -11,6 +11,8 @@ import (
 	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
+	"github.com/compactproxy/compactproxy/internal/upstream"
+	"github.com/compactproxy/compactproxy/internal/wire"
 	"go.uber.org/zap"
 )
 
@@ -62,65 +64,48 @@ type (
 	}
 	// bodyError: the body could not be read (answerBodyError says how).
 	bodyError struct{ error }
-	// upstreamError: the upstream could not be reached or answer usefully
-	// (a fixed text per class, never the Go error).
-	upstreamError struct {
-		failure upstreamFailure
-		err     error
-	}
-	// upstreamAnswer is the upstream's own error answer (status ≥ 400),
-	// relayed to the client as it came.
-	upstreamAnswer struct {
-		status int
-		header http.Header
-		body   []byte
-		// failure is the error envelope of a Responses stream that failed
-		// before its answer began (response.failed in a 200): what
-		// recovery reads instead of body.
-		failure []byte
-	}
+	// The upstream's failures are upstream.Error (no usable answer: a
+	// fixed text per class) and upstream.Answer (its own error answer,
+	// relayed as it came).
 )
 
-func (e *clientError) Error() string    { return e.detail }
-func (e *upstreamError) Error() string  { return e.failure.text }
-func (e *upstreamError) Unwrap() error  { return e.err }
-func (e *upstreamAnswer) Error() string { return "upstream answered " + http.StatusText(e.status) }
+func (e *clientError) Error() string { return e.detail }
 
 // answer ends a request with err: the one place where a stage's error
 // becomes an answer. cr is nil before the request was parsed.
 func (s *Server) answer(w http.ResponseWriter, r *http.Request, cr *chatRequest, err error) {
 	ri := infoFrom(r.Context())
-	d := dialectOf(r)
+	api := apiOf(r)
 	var (
 		ce *clientError
 		be bodyError
-		ue *upstreamError
-		ua *upstreamAnswer
+		ue *upstream.Error
+		ua *upstream.Answer
 	)
 	switch {
 	case errors.As(err, &ce):
-		writeErrorIn(d, w, ce.status, ce.typ, ce.code, ce.param, ce.detail)
+		writeErrorIn(api, w, ce.status, ce.typ, ce.code, ce.param, ce.detail)
 	case errors.As(err, &be):
 		s.answerBodyError(w, r, be.error)
 	case errors.As(err, &ua):
-		s.writeHeaders(w, cr, ua.header)
-		w.WriteHeader(ua.status)
-		_, _ = w.Write(ua.body)
+		s.writeHeaders(w, cr, ua.Header)
+		w.WriteHeader(ua.Status)
+		_, _ = w.Write(ua.Body)
 	case errors.Is(err, errClientGone) || r.Context().Err() != nil:
 		ri.status = 499
 	case errors.As(err, &ue):
 		s.log.Warn("upstream request failed", zap.String("request_id", ri.id),
-			zap.String("upstream", s.dialectLogURLs[d]), zap.String("error_class", ue.failure.code))
-		writeErrorIn(d, w, ue.failure.status, "upstream_error", ue.failure.code, "", "compactproxy: "+ue.failure.text)
+			zap.String("upstream", s.apiURLs[api.Dialect()].log), zap.String("error_class", ue.Failure.Code))
+		writeErrorIn(api, w, ue.Failure.Status, "upstream_error", ue.Failure.Code, "", "compactproxy: "+ue.Failure.Text)
 	default:
-		writeErrorIn(d, w, http.StatusInternalServerError, "server_error", "", "", "compactproxy: internal error")
+		writeErrorIn(api, w, http.StatusInternalServerError, "server_error", "", "", "compactproxy: internal error")
 	}
 }
 
 // chatRequest is one client request on its way through the proxy: data
 // only, filled by the stages in order.
 type chatRequest struct {
-	dialect chat.Dialect // the API the client speaks (the route)
+	api wire.API // the API the client speaks (the route)
 	// query is the client's query string, forwarded with the request
 	// (Claude Code's ?beta=true, Azure's ?api-version=).
 	query   string
@@ -194,12 +179,12 @@ func (s *Server) readChat(w http.ResponseWriter, r *http.Request) (*chatRequest,
 		return nil, bodyError{err}
 	}
 	ps := parsed{tenant: tenantOf(s.tenantSecret, r.Header)}
-	d := dialectOf(r)
+	api := apiOf(r)
 	var (
 		req    *chat.Request
 		reused int
 	)
-	if d == chat.DialectChat {
+	if api.Dialect() == chat.DialectChat {
 		ps.key = s.parses.key(ps.tenant, conversationHeader(r, s.cfg.Compaction.ConversationHeaders), pb.buf)
 		ps.from = s.parses.lookup(ps.key, pb.buf)
 		var snap *chat.Snapshot
@@ -214,7 +199,7 @@ func (s *Server) readChat(w http.ResponseWriter, r *http.Request) (*chatRequest,
 		own := bytes.Clone(pb.buf)
 		pb.release()
 		pb = nil
-		req, err = chat.ParseDialect(d, own)
+		req, err = chat.ParseDialect(api.Dialect(), own)
 	}
 	if err != nil {
 		pb.release()
@@ -234,7 +219,7 @@ func (s *Server) readChat(w http.ResponseWriter, r *http.Request) (*chatRequest,
 		s.metrics.UIOnlyRemoved.Add(float64(req.UIOnlyRemoved))
 	}
 	cr := &chatRequest{
-		dialect:     d,
+		api:         api,
 		query:       r.URL.RawQuery,
 		start:       start,
 		reqID:       infoFrom(r.Context()).id,
@@ -249,7 +234,7 @@ func (s *Server) readChat(w http.ResponseWriter, r *http.Request) (*chatRequest,
 		respHeaders: http.Header{},
 	}
 	cr.respHeaders.Set("X-Compactproxy-Compaction", "none")
-	cr.opaque = d == chat.DialectResponses && req.HasField("previous_response_id")
+	cr.opaque = api.HistoryUpstream(req)
 	return cr, nil
 }
 
@@ -289,16 +274,7 @@ func (s *Server) upstreamHeaders(in http.Header) http.Header {
 	if hs := s.cfg.Compaction.ConversationHeaders; len(hs) > 0 {
 		h.Del(hs[0]) // the proxy's own conversation header (DESIGN § Compaction)
 	}
-	if key := s.cfg.Upstream.APIKey.Reveal(); key != "" {
-		h.Del("X-Api-Key")
-		h.Del("Api-Key")
-		h.Del("Authorization")
-		if s.cfg.Upstream.Dialect == "anthropic" {
-			h.Set("X-Api-Key", key) // Anthropic's own header
-		} else {
-			h.Set("Authorization", "Bearer "+key)
-		}
-	}
+	upstream.SetKey(h, s.cfg.Upstream.APIKey.Reveal(), s.cfg.Upstream.Dialect)
 	return h
 }
 
@@ -325,7 +301,7 @@ func (s *Server) injectUsage(req *chat.Request) bool {
 	case "always":
 		return true
 	}
-	return !s.noStreamOptions.unsupported(s.modelIdentity(req.Model))
+	return !s.up.NoStreamOptions.Unsupported(s.modelIdentity(req.Model))
 }
 
 // streamOptions returns the client's stream_options with include_usage set.

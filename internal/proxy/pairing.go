@@ -58,14 +58,14 @@ func (s *Server) pair(r *http.Request, cr *chatRequest) error {
 	if idx >= 0 && idx < len(msgs) {
 		idx = msgs[idx].Index
 		param = fmt.Sprintf("messages[%d]", idx)
-		if cr.dialect != chat.DialectChat {
+		if cr.api.Dialect() != chat.DialectChat {
 			param = cr.req.Param(idx) // the client's item, not the chat message
 		}
 	}
 	ci.pairing = "rejected"
 	s.log.Info("pairing violation", zap.String("request_id", ri.id), zap.Strings("kinds", kinds))
 	return &clientError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "invalid_tool_pairing",
-		param: param, detail: describePairing(cr.dialect, v, param, idx)}
+		param: param, detail: cr.api.DescribePairing(v, param, idx)}
 }
 
 // applyRemovals applies pairing.Repair's removals to the chat messages:

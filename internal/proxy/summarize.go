@@ -178,21 +178,18 @@ func (s *Server) newSummarizer() *summarizer.Client {
 	s.sumSem = make(chan struct{}, max(c.MaxConcurrent, 1))
 	// An overflow answer is read in the upstream's dialect when the
 	// summarizer is the upstream, else in any dialect compactproxy knows.
-	dialect := "auto"
+	overflow := "auto"
 	if s.summarizerIsUpstream {
-		dialect = s.cfg.Upstream.Dialect
+		overflow = s.cfg.Upstream.Dialect
 	}
-	return summarizer.New(retryTransport{r: s.retrier, op: "summarize"}, summarizer.Options{
-		URL:       url,
-		APIKey:    key,
-		Model:     c.Model,
-		MaxTokens: c.MaxTokens,
-		Dialect:   s.cfg.Upstream.Dialect,
-		Timeout:   c.Timeout,
-		Overflow: func(status int, body []byte) (int, int, bool) {
-			info, ok := recognizeOverflow(dialect, status, body)
-			return info.prompt, info.nCtx, ok
-		},
+	return summarizer.New(s.up.Retrier.Transport("summarize"), summarizer.Options{
+		URL:             url,
+		APIKey:          key,
+		Model:           c.Model,
+		MaxTokens:       c.MaxTokens,
+		Dialect:         s.cfg.Upstream.Dialect,
+		Timeout:         c.Timeout,
+		OverflowDialect: overflow,
 	})
 }
 
@@ -221,11 +218,11 @@ func (s *Server) summaryCall(h http.Header, req *chat.Request) summarizer.Call {
 		sumModel = req.Model
 	}
 	if s.summarizerIsUpstream {
-		call.Window = s.windows.get(sumModel)
+		call.Window = s.windows.Get(sumModel)
 		fit := s.calibration.Fit(s.modelIdentity(sumModel))
 		call.Count = func(text string) int { return textTokens(fit, len(text)) }
 	} else {
-		call.Window = s.windows.listed(sumModel)
+		call.Window = s.windows.Listed(sumModel)
 	}
 	if s.summarizerIsUpstream && s.cfg.Compaction.Summarizer.APIKey == "" && s.cfg.Upstream.APIKey == "" {
 		call.Credentials = http.Header{}
@@ -491,7 +488,7 @@ func (s *Server) makeSummary(ctx context.Context, name string, fl *flight, job *
 // own copy of the messages; when a summarize of the lineage is running
 // already, nothing more is done.
 func (s *Server) presummarize(ctx context.Context, r *http.Request, cr *chatRequest, cv *conversation) {
-	window := s.windows.get(cr.req.Model)
+	window := s.windows.Get(cr.req.Model)
 	if window == 0 || s.planner == nil {
 		return
 	}

@@ -24,6 +24,7 @@ import (
 	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
+	"github.com/compactproxy/compactproxy/internal/wire"
 	openai "github.com/sashabaranov/go-openai"
 )
 
@@ -48,7 +49,8 @@ type StatusError struct {
 	StatusCode int
 	// Message is the error envelope's message, else the start of the body.
 	Message string
-	// Overflow: Options.Overflow recognized a context overflow; Prompt is
+	// Overflow: the answer is a context overflow in the words of
+	// Options.OverflowDialect (wire.RecognizeOverflow); Prompt is
 	// the prompt size it reported and Window the model's window it named
 	// (0 = not said).
 	Overflow bool
@@ -88,13 +90,13 @@ type Options struct {
 	// a head that does not fit one request is summarized in chunks, each
 	// folded into the running summary.
 	Window int
-	// Overflow recognizes the endpoint's context-overflow answer (its
-	// status and body), the prompt size it reports and the window it names
-	// (0 = not said); nil recognizes none. A transcript request answered so
-	// is sent again in smaller chunks, counted at the rate the answer
-	// measured, within the window it names when none was known; a
-	// prefix-shaped one gives way to a transcript.
-	Overflow func(status int, body []byte) (prompt, window int, ok bool)
+	// OverflowDialect is the upstream.dialect whose context-overflow
+	// answers the endpoint gives (wire.RecognizeOverflow: "auto" any of
+	// them); "" recognizes none. A transcript request answered so is sent
+	// again in smaller chunks, counted at the rate the answer measured,
+	// within the window it names when none was known; a prefix-shaped one
+	// gives way to a transcript.
+	OverflowDialect string
 }
 
 // Client calls the summarizer endpoint. Safe for concurrent use.
@@ -593,8 +595,9 @@ func (c *Client) post(ctx context.Context, call *Call, body []byte) (string, err
 	}
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
 		se := &StatusError{StatusCode: resp.StatusCode, Message: errorMessage(data)}
-		if c.opt.Overflow != nil {
-			se.Prompt, se.Window, se.Overflow = c.opt.Overflow(resp.StatusCode, data)
+		if c.opt.OverflowDialect != "" {
+			info, ok := wire.RecognizeOverflow(c.opt.OverflowDialect, resp.StatusCode, data)
+			se.Prompt, se.Window, se.Overflow = info.Prompt, info.NCtx, ok
 		}
 		return "", se
 	}

@@ -1,11 +1,14 @@
-package proxy
+package upstream
 
 import (
 	"context"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"testing"
 	"time"
+
+	"github.com/compactproxy/compactproxy/internal/config"
 )
 
 // A learned n_ctx lowers the window only as evidence allows: never below a
@@ -32,15 +35,15 @@ func TestLearnedWindowBounds(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			now := time.Unix(1_000_000, 0)
-			w := newWindows(nil, tc.configured)
+			w := NewWindows(nil, tc.configured)
 			w.now = func() time.Time { return now }
-			w.accept("m", tc.accepted, ttl)
-			w.learn("m", tc.learn, ttl)
+			w.Accept("m", tc.accepted, ttl)
+			w.Learn("m", tc.learn, ttl)
 			now = now.Add(tc.after)
-			if got := w.get("m"); got != tc.want {
+			if got := w.Get("m"); got != tc.want {
 				t.Errorf("window %d, want %d", got, tc.want)
 			}
-			if got := w.get("other"); got != tc.configured {
+			if got := w.Get("other"); got != tc.configured {
 				t.Errorf("another model's window %d, want %d", got, tc.configured)
 			}
 		})
@@ -49,10 +52,10 @@ func TestLearnedWindowBounds(t *testing.T) {
 
 // A prompt accepted above a learned n_ctx disproves it.
 func TestAcceptedPromptDropsLearnedWindow(t *testing.T) {
-	w := newWindows(nil, 8000)
-	w.learn("m", 3000, time.Minute)
-	w.accept("m", 3500, time.Minute)
-	if got := w.get("m"); got != 8000 {
+	w := NewWindows(nil, 8000)
+	w.Learn("m", 3000, time.Minute)
+	w.Accept("m", 3500, time.Minute)
+	if got := w.Get("m"); got != 8000 {
 		t.Errorf("window %d after the upstream accepted 3500, want 8000", got)
 	}
 }
@@ -60,19 +63,25 @@ func TestAcceptedPromptDropsLearnedWindow(t *testing.T) {
 // TestDiscoverModelsList: the window is read from an OpenAI-style /models
 // list in the fields servers and gateways use, per model.
 func TestDiscoverModelsList(t *testing.T) {
-	up := newFakeUpstream(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path != "/v1/models" {
 			w.WriteHeader(404)
 			return
 		}
 		io.WriteString(w, `{"object":"list","data":[{"id":"vllm","max_model_len":32768},{"id":"router","context_length":40000},{"id":"groq","context_window":131072},{"id":"mistral","max_context_length":65536},{"id":"none"}]}`)
-	})
-	p := newTestProxy(t, testConfig(up.URL))
-	if !p.srv.discover(context.Background()) {
+	}))
+	defer up.Close()
+	cfg := config.Default()
+	cfg.Upstream.URL = up.URL + "/v1"
+	c, err := New(cfg.Upstream, cfg.Retry, cfg.Models, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !c.Discover(context.Background()) {
 		t.Fatal("nothing discovered")
 	}
 	for model, want := range map[string]int{"vllm": 32768, "router": 40000, "groq": 131072, "mistral": 65536, "none": 0} {
-		if got := p.srv.windows.get(model); got != want {
+		if got := c.Windows.Get(model); got != want {
 			t.Errorf("%s: window %d, want %d", model, got, want)
 		}
 	}
