@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"encoding/json"
-	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
 	"net/http"
 	"regexp"
@@ -44,7 +43,6 @@ func (s *Server) handlePreview(w http.ResponseWriter, r *http.Request) {
 	req := cr.req
 	window := s.windows.Get(req.Model)
 	resp := previewResponse{
-		Messages:        make([]json.RawMessage, len(out.Messages)),
 		Action:          string(out.Action),
 		ContextTokens:   out.Context.Tokens,
 		ContextSource:   out.Context.Source,
@@ -55,21 +53,12 @@ func (s *Server) handlePreview(w http.ResponseWriter, r *http.Request) {
 	if resp.Action == "" {
 		resp.Action = "none"
 	}
-	for i, m := range out.Messages {
-		resp.Messages[i] = json.RawMessage(m.Raw)
-	}
-	if d := cr.api.Dialect(); d != chat.DialectChat {
-		// The view in the client's own dialect: the items (Responses) or
-		// messages (Messages) the request would carry.
-		var body map[string]json.RawMessage
-		key := "input"
-		if d == chat.DialectMessages {
-			key = "messages"
-		}
-		resp.Messages = nil
-		if json.Unmarshal(req.Build(out.Messages, nil), &body) == nil {
-			_ = json.Unmarshal(body[key], &resp.Messages)
-		}
+	// The view in the client's own API: the messages or items the
+	// request would carry.
+	var body map[string]json.RawMessage
+	resp.Messages = nil
+	if json.Unmarshal(req.Build(out.Messages, nil), &body) == nil {
+		_ = json.Unmarshal(body[cr.api.HistoryKey()], &resp.Messages)
 	}
 	cr.info.action = resp.Action
 	w.Header().Set("Content-Type", "application/json")

@@ -57,10 +57,7 @@ func (s *Server) pair(r *http.Request, cr *chatRequest) error {
 	param := fmt.Sprintf("messages[%d]", idx)
 	if idx >= 0 && idx < len(msgs) {
 		idx = msgs[idx].Index
-		param = fmt.Sprintf("messages[%d]", idx)
-		if cr.api.Dialect() != chat.DialectChat {
-			param = cr.req.Param(idx) // the client's item, not the chat message
-		}
+		param = cr.api.PairingParam(cr.req, idx) // the client's item, not the chat message
 	}
 	ci.pairing = "rejected"
 	s.log.Info("pairing violation", zap.String("request_id", ri.id), zap.Strings("kinds", kinds))

@@ -3,6 +3,7 @@ package wire
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"io"
 	"strconv"
 
@@ -39,6 +40,14 @@ func (Chat) StreamError(code, msg string) []byte {
 		Error openAIError `json:"error"`
 	}{openAIError{Message: msg, Type: "upstream_error", Code: &code}})
 	return sseEvent("", body)
+}
+
+// HistoryKey implements API.
+func (Chat) HistoryKey() string { return "messages" }
+
+// PairingParam implements API: messages[N].
+func (Chat) PairingParam(_ *chat.Request, clientIndex int) string {
+	return fmt.Sprintf("messages[%d]", clientIndex)
 }
 
 // DescribePairing implements API: pairing's own words for messages.

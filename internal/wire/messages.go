@@ -74,6 +74,14 @@ func anthropicErrorType(status int, typ string) string {
 	return "invalid_request_error"
 }
 
+// HistoryKey implements API.
+func (Messages) HistoryKey() string { return "messages" }
+
+// PairingParam implements API: the message, messages[N] (or system).
+func (Messages) PairingParam(req *chat.Request, clientIndex int) string {
+	return req.Param(clientIndex)
+}
+
 // DescribePairing implements API: tool_use blocks answered by tool_result
 // blocks in the next user message.
 func (Messages) DescribePairing(v pairing.Violation, param string, _ int) string {

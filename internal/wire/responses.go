@@ -44,6 +44,14 @@ func (Responses) StreamError(code, msg string) []byte {
 	return sseEvent("error", body)
 }
 
+// HistoryKey implements API.
+func (Responses) HistoryKey() string { return "input" }
+
+// PairingParam implements API: the item, input[N] (or instructions).
+func (Responses) PairingParam(req *chat.Request, clientIndex int) string {
+	return req.Param(clientIndex)
+}
+
 // DescribePairing implements API: input items paired by call_id.
 func (Responses) DescribePairing(v pairing.Violation, param string, _ int) string {
 	switch v.Kind {

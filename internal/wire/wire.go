@@ -34,6 +34,11 @@ type API interface {
 	// StreamError is the SSE event that tells a client the upstream broke
 	// off its stream (code: the failure class; msg: a fixed text).
 	StreamError(code, msg string) []byte
+	// HistoryKey is the body's array that holds the conversation.
+	HistoryKey() string
+	// PairingParam names, for an error's param, the client's item at
+	// clientIndex (what a chat.Message's Index says).
+	PairingParam(req *chat.Request, clientIndex int) string
 	// DescribePairing is a pairing violation in the API's words; param
 	// names the client's item, clientIndex its index in the client's
 	// array.
