@@ -555,14 +555,11 @@ func (c *Client) post(ctx context.Context, call *Call, body []byte) (string, err
 		ctx, cancel = context.WithTimeout(ctx, c.opt.Timeout)
 		defer cancel()
 	}
-	path := "/chat/completions"
-	switch call.Dialect {
-	case "responses":
-		path = "/responses"
-	case "messages":
-		path = "/messages"
+	api, ok := wire.Named(call.Dialect)
+	if !ok {
+		api = wire.ChatCompletions
 	}
-	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, c.opt.URL+path, bytes.NewReader(body))
+	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, c.opt.URL+"/"+api.UpstreamPath(), bytes.NewReader(body))
 	if err != nil {
 		return "", fmt.Errorf("summarizer: request: %w", err)
 	}

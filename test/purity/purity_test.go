@@ -1,6 +1,7 @@
-// Package purity keeps the pure core pure: internal/chat, pairing, anchor
-// and compaction import the standard library and each other only (CRAFT
-// habit 1), so they stay testable with plain tables and fuzzing.
+// Package purity keeps the pure core pure: internal/chat, pairing, anchor,
+// compaction and the wire rules import the standard library and each
+// other only (CRAFT habits 1 and 31), so they stay testable with plain
+// tables and fuzzing.
 package purity
 
 import (
@@ -11,7 +12,7 @@ import (
 
 const module = "github.com/compactproxy/compactproxy/"
 
-var pure = []string{"internal/chat", "internal/pairing", "internal/anchor", "internal/compaction"}
+var pure = []string{"internal/chat", "internal/pairing", "internal/anchor", "internal/compaction", "internal/wire"}
 
 func TestPureCoreImportsOnlyStdAndSiblings(t *testing.T) {
 	allowed := map[string]bool{}
