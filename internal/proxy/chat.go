@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"bytes"
-	"encoding/json"
 	"errors"
 	"net/http"
 	"strings"
@@ -138,9 +137,10 @@ type chatRequest struct {
 	// decisionSpent the time that decision waited for a summary.
 	decision      compaction.Output
 	decisionSpent time.Duration
-	// inject is set when the proxy injected include_usage, so the
-	// usage-only chunk must not reach the client.
-	inject bool
+	// inject is the field the proxy added to ask the stream for its
+	// usage (usageOption; nil: none), so the usage must not reach the
+	// client.
+	inject []chat.Field
 	// sent: the request went upstream once (a resend is recovery);
 	// upStart is when the answer being relayed was asked for.
 	sent    bool
@@ -290,51 +290,25 @@ func copyResponseHeaders(dst, src http.Header) {
 	}
 }
 
-// injectUsage reports whether include_usage should be injected.
-func (s *Server) injectUsage(req *chat.Request) bool {
-	if !req.Stream || req.IncludeUsage {
-		return false
+// usageOption is the field the proxy adds to ask a stream for its usage
+// (the API's wire.API.UsageOption) under upstream.stream_usage: never,
+// always, or auto unless the model identity was found not to take it.
+// nil: none.
+func (s *Server) usageOption(api wire.API, req *chat.Request) []chat.Field {
+	f, ok := api.UsageOption(req)
+	if !ok || s.cfg.Upstream.StreamUsage == "never" {
+		return nil
 	}
-	switch s.cfg.Upstream.StreamUsage {
-	case "never":
-		return false
-	case "always":
-		return true
+	if s.cfg.Upstream.StreamUsage != "always" && s.up.NoStreamOptions.Unsupported(s.modelIdentity(req.Model)) {
+		return nil
 	}
-	return !s.up.NoStreamOptions.Unsupported(s.modelIdentity(req.Model))
-}
-
-// streamOptions returns the client's stream_options with include_usage set.
-func streamOptions(req *chat.Request) []byte {
-	for _, f := range req.Fields {
-		if f.Key != "stream_options" {
-			continue
-		}
-		var m map[string]json.RawMessage
-		if json.Unmarshal(f.Value, &m) == nil && m != nil {
-			m["include_usage"] = json.RawMessage("true")
-			if b, err := json.Marshal(m); err == nil {
-				return b
-			}
-		}
-	}
-	return []byte(`{"include_usage":true}`)
+	return []chat.Field{f}
 }
 
 // body builds the upstream body for the current view.
 func (cr *chatRequest) body() []byte {
-	var set []chat.Field
-	if cr.inject {
-		set = []chat.Field{{Key: "stream_options", Value: streamOptions(cr.req)}}
-	}
-	if cr.unchanged && set == nil {
+	if cr.unchanged && cr.inject == nil {
 		return cr.req.Body
 	}
-	return cr.req.Build(cr.forward, set)
-}
-
-// mentionsStreamOptions recognizes an upstream that rejects stream_options.
-func mentionsStreamOptions(status int, body []byte) bool {
-	return (status == http.StatusBadRequest || status == http.StatusUnprocessableEntity) &&
-		bytes.Contains(body, []byte("stream_options"))
+	return cr.req.Build(cr.forward, cr.inject)
 }

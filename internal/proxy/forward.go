@@ -28,7 +28,7 @@ const maxJSONBody = 256 << 20
 func (s *Server) send(ctx context.Context, cr *chatRequest) (*http.Response, error) {
 	ri := infoFrom(ctx)
 	if !cr.sent {
-		cr.inject = cr.api.AsksUsage() && s.injectUsage(cr.req)
+		cr.inject = s.usageOption(cr.api, cr.req)
 	}
 	streamOptionsResend := false
 	for {
@@ -44,13 +44,13 @@ func (s *Server) send(ctx context.Context, cr *chatRequest) (*http.Response, err
 		case err == nil:
 		case errors.As(err, &ua):
 			ri.upstream = time.Since(upStart)
-			if cr.inject && s.cfg.Upstream.StreamUsage == "auto" && mentionsStreamOptions(ua.Status, ua.Body) {
+			if cr.inject != nil && s.cfg.Upstream.StreamUsage == "auto" && cr.api.RefusesUsageOption(ua.Status, ua.Body) {
 				// Maybe an upstream that does not know stream_options, maybe
 				// the client's own bad stream_options: send the request
 				// again as the client wrote it, and learn only if that
 				// succeeds (below).
 				s.metrics.UpstreamRetries.WithLabelValues("chat", "stream_options").Inc()
-				cr.inject = false
+				cr.inject = nil
 				streamOptionsResend = true
 				continue
 			}
@@ -142,7 +142,7 @@ func (s *Server) relay(w http.ResponseWriter, r *http.Request, cr *chatRequest, 
 		if f, ok := w.(http.Flusher); ok {
 			f.Flush()
 		}
-		err := relayEvents(w, resp.Body, cr.api.NewStream(cr.inject), record)
+		err := relayEvents(w, resp.Body, cr.api.NewStream(cr.inject != nil), record)
 		var broken streamBroken
 		switch {
 		case err == nil:

@@ -58,8 +58,37 @@ func (Chat) DescribePairing(v pairing.Violation, _ string, clientIndex int) stri
 // HistoryUpstream implements API: a chat request carries its history.
 func (Chat) HistoryUpstream(*chat.Request) bool { return false }
 
-// AsksUsage implements API: stream_options.include_usage.
-func (Chat) AsksUsage() bool { return true }
+// UsageOption implements API: stream_options.include_usage on a stream
+// whose client did not ask for it.
+func (Chat) UsageOption(req *chat.Request) (chat.Field, bool) {
+	if !req.Stream || req.IncludeUsage {
+		return chat.Field{}, false
+	}
+	return chat.Field{Key: "stream_options", Value: streamOptions(req)}, true
+}
+
+// streamOptions returns the client's stream_options with include_usage set.
+func streamOptions(req *chat.Request) []byte {
+	for _, f := range req.Fields {
+		if f.Key != "stream_options" {
+			continue
+		}
+		var m map[string]json.RawMessage
+		if json.Unmarshal(f.Value, &m) == nil && m != nil {
+			m["include_usage"] = json.RawMessage("true")
+			if b, err := json.Marshal(m); err == nil {
+				return b
+			}
+		}
+	}
+	return []byte(`{"include_usage":true}`)
+}
+
+// RefusesUsageOption implements API: a 400 or 422 that names
+// stream_options.
+func (Chat) RefusesUsageOption(status int, body []byte) bool {
+	return (status == 400 || status == 422) && bytes.Contains(body, []byte("stream_options"))
+}
 
 // HoldEarly implements API: a chat stream fails with an error status.
 func (Chat) HoldEarly(body io.ReadCloser) (io.ReadCloser, []byte) { return body, nil }

@@ -101,9 +101,11 @@ func (Messages) DescribePairing(v pairing.Violation, param string, _ int) string
 // HistoryUpstream implements API: a Messages request carries its history.
 func (Messages) HistoryUpstream(*chat.Request) bool { return false }
 
-// AsksUsage implements API: message_start and message_delta carry it
-// unasked.
-func (Messages) AsksUsage() bool { return false }
+// UsageOption implements API: the stream reports its usage unasked.
+func (Messages) UsageOption(*chat.Request) (chat.Field, bool) { return chat.Field{}, false }
+
+// RefusesUsageOption implements API: there is no option to refuse.
+func (Messages) RefusesUsageOption(int, []byte) bool { return false }
 
 // HoldEarly implements API: a Messages stream fails with an error status.
 func (Messages) HoldEarly(body io.ReadCloser) (io.ReadCloser, []byte) { return body, nil }

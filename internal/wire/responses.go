@@ -72,8 +72,11 @@ func (Responses) HistoryUpstream(req *chat.Request) bool {
 	return req.HasField("previous_response_id")
 }
 
-// AsksUsage implements API: response.completed carries it unasked.
-func (Responses) AsksUsage() bool { return false }
+// UsageOption implements API: the stream reports its usage unasked.
+func (Responses) UsageOption(*chat.Request) (chat.Field, bool) { return chat.Field{}, false }
+
+// RefusesUsageOption implements API: there is no option to refuse.
+func (Responses) RefusesUsageOption(int, []byte) bool { return false }
 
 // SummaryFields implements API: max_output_tokens, tool_choice "none"
 // when the request has tools (Codex's own compaction request sends

@@ -47,9 +47,15 @@ type API interface {
 	// history (a Responses previous_response_id): the body passes as it
 	// came, with no pairing check, compaction or anchor.
 	HistoryUpstream(req *chat.Request) bool
-	// AsksUsage reports whether the proxy may ask the API's stream for its
-	// usage (chat completions' stream_options.include_usage).
-	AsksUsage() bool
+	// UsageOption is the field that asks req's stream for its usage
+	// (chat completions' stream_options with include_usage, the client's
+	// other stream options kept); false when the API reports it unasked
+	// or the client asked for it itself.
+	UsageOption(req *chat.Request) (chat.Field, bool)
+	// RefusesUsageOption recognizes an error answer that may be the
+	// upstream refusing UsageOption's field (or the client's own bad
+	// value of it: only a resend without it tells which).
+	RefusesUsageOption(status int, body []byte) bool
 	// NewStream reads one streamed answer. hideUsage: the proxy asked
 	// for the usage, so the client must not see it.
 	NewStream(hideUsage bool) Stream
