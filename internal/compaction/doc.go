@@ -9,11 +9,112 @@
 // caller obtains it and plans the same Input again with the answer in
 // Input.Summary (etcd raft's Step/Ready: decide, then do).
 //
-// Files by concern: planner.go (the API and the order of the steps),
-// sizing.go (budget, thresholds, the verbatim tail, estimates), plan.go (a
-// set of compactions and the view it renders), trim.go, summary.go,
-// drop.go, finish.go (the invariant check and the output), state.go and
-// lineage.go (what is stored), view.go (excerpts and the summary block).
+// # The life cycle of a decision
+//
+// Every caller (a request, its overflow recovery, a preview, a background
+// summary after a response) runs the same loop, once:
+//
+//	out := planner.Plan(in)                      // decide
+//	if out.Need != nil {                          // a summary is due
+//		text, tokens, err := summarize(*out.Need) // obtain it: the one model call
+//		in.Summary = compaction.ResultFor(out.Need, text, tokens, err, canceled)
+//		out = planner.Plan(in)                    // plan the same Input again
+//	}
+//	if out.StateChanged {
+//		save(out.State)                           // commit: SaveLineage, then the store
+//	}
+//	forward(out.Messages)
+//
+// A dry run (a preview) stops after the first Plan; a caller that cannot
+// obtain the summary now forwards the first Plan's Messages, which fit
+// without it.
+//
+// Inside one Plan the steps run in this order, each in its own function:
+// re-apply what is stored (reapply), size the view and its thresholds
+// (decision); a background pass goes to presummarize; over the trigger,
+// extend the tail (extendTail), the progress guard (summaryWithheld),
+// step 1 trim (trimCandidates, applyTrims), step 2 summarize (sizeSummary:
+// the cut and its room, refoldCut; readyPending; guardHolds; gate: latch
+// and throttle; then shadow's report, the request or accept), step 4
+// excerpts, then the last resort (overBudget: tight excerpts, shrinking
+// the summary, dropTurns, excerpts of the final turn); finish checks the
+// invariant and reads the log of steps taken (steps.go) into the Output.
+// The specification of each step is a script in testdata/*.txt (trim,
+// summarize, refold, guard, drop, lastresort, recover, shadow, invariant,
+// and the background, latch, throttle and lineage rules), run by
+// TestScripts and rewritten from the planner's output with -update.
+//
+// # Glossary
+//
+// As the planner uses the words:
+//
+//   - view: the messages of one request as the provider sees them (UI-only
+//     items removed); the client's view comes in, the forwarded view goes
+//     out. Positions are indexes into the client's view.
+//   - lead: the leading system/developer messages, never compacted.
+//   - fixed part (F): the lead and the request's overhead (tools, template)
+//     as estimated: what no compaction can shrink.
+//   - budget: the window less the reserved output (Budget). room: budget − F,
+//     the share compaction works in; trigger and target are F plus
+//     trigger_ratio and target_ratio of the room.
+//   - tail: the messages forwarded verbatim at the end, from the cut on.
+//     Its floor is keep_tail messages (never opening on a tool result,
+//     always holding the final message); tail_ratio extends it backward by
+//     whole turns.
+//   - cut: the client position where the tail begins; a summary replaces
+//     the client's messages [lead, cut). headStart is the first position
+//     after the lead that a plan forwards verbatim: the cut of the summary
+//     in place, else the lead.
+//   - head: what a new summary folds, [headStart, cut), as forwarded
+//     (trims applied, drops left out), after the summary in place.
+//   - ask, ack: the most recent user message, re-inserted verbatim after
+//     the summary when it lies in the head; the assistant's
+//     acknowledgement between them so roles alternate.
+//   - record: a stored compaction (Summary, Trim, Drop), keyed by the
+//     digest of the client's chain up to where it applies (RecordChain), so
+//     it is re-applied only while those messages are unchanged.
+//   - lineage: one history of a conversation with its own records, latch
+//     and throttle (Lineage); a client that rewinds or forks starts
+//     another. SelectLineage picks the one whose records the chain matches.
+//   - pending: a summary made in the background after a response
+//     (PassBackground), stored in State.Pending and applied without a model
+//     call by the request that crosses the trigger.
+//   - trim: a long tool result forwarded as a head/tail excerpt. drop:
+//     whole turns not forwarded.
+//   - guard (the progress guard): a new summary is made only once it folds
+//     max(summary_min_tokens, a quarter of the room) of history no summary
+//     covered; until then a view within the budget goes as it is.
+//   - latch: after a failed summarize, no attempt until the conversation
+//     has grown by latch_growth messages. throttle: one attempt per
+//     min_interval for the same message count.
+//   - refold: when no cut leaves a new summary its least room, the summary
+//     in place is folded again with what follows it, no larger than it is,
+//     rather than dropping turns.
+//   - last resort: what runs over the budget when nothing else brought the
+//     view under it: tight excerpts, the summary shrunk, the drop, and
+//     over the window the final turn's results excerpted.
+//   - anchor: a measured step (the provider's usage for a prefix of the
+//     view); an anchored estimate counts from the longest measured prefix
+//     and adds the local count of what follows (package anchor, behind the
+//     Estimator). The planner reads the anchors' append rate to estimate a
+//     view whose head a new summary replaced (estimate).
+//   - estimate: the Estimator's tokens for a view, scaled up when an
+//     overflow measured the client's view larger (Input.Measured). est
+//     estimates a list of messages; estimate a plan whose summary may be
+//     new, its text counted by the bound the summarizer gave.
+//   - need: the summary a decision asks for (Output.Need); the answer comes
+//     back in Input.Summary.
+//
+// # Files
+//
+// planner.go (the API and the order of the steps), sizing.go (budget,
+// thresholds, the verbatim tail, estimates), plan.go (a set of
+// compactions and the view it renders), trim.go, summary.go (the
+// summarize step, the background pass, the ask), cut.go (where a summary
+// cuts and its room), gates.go (guard, latch, throttle), drop.go,
+// finish.go (the invariant check and the output), steps.go (the log of
+// steps taken), state.go and lineage.go (what is stored), view.go
+// (excerpts and the summary block).
 //
 // The steps follow DESIGN.md § Compaction. Readings of the cases it leaves
 // open:

@@ -18,7 +18,33 @@ type dropUnit struct{ from, to int }
 // (pairing-safe), and the messages it brings together never are two user
 // or two assistant messages.
 func (r *run) dropTurns(p *plan, cur, budget, target int) int {
-	s := p.headStart(r.lead)
+	units := r.dropUnits(p.headStart(r.lead))
+	if len(units) == 0 {
+		return cur
+	}
+	ds := r.dropSets(*p, units)
+	if ds.head > 0 {
+		if q, e := r.pickDrop(*p, ds, ds.head, target-1); e < cur {
+			*p, cur = q, e
+			r.done.add(stepDropped)
+			if cur <= budget {
+				return cur
+			}
+		}
+	}
+	if len(ds.sets) > ds.head {
+		if q, e := r.pickDrop(*p, ds, len(ds.sets), budget); e < cur {
+			*p, cur = q, e
+			r.done.add(stepDropped)
+		}
+	}
+	return cur
+}
+
+// dropUnits lists the turns from client position start up to the final
+// message's turn that may be dropped, oldest first: not the task, not the
+// most recent user message.
+func (r *run) dropUnits(start int) []dropUnit {
 	final := r.n - 1
 	for final > 0 && isToolRole(r.msgs[final].Role) {
 		final--
@@ -33,7 +59,7 @@ func (r *run) dropTurns(p *plan, cur, budget, target int) int {
 		}
 	}
 	var units []dropUnit
-	for i := s; i < final; {
+	for i := start; i < final; {
 		j := i + 1
 		for j < final && isToolRole(r.msgs[j].Role) {
 			j++
@@ -43,85 +69,84 @@ func (r *run) dropTurns(p *plan, cur, budget, target int) int {
 		}
 		i = j
 	}
-	if len(units) == 0 {
-		return cur
-	}
-	// The drop sets, oldest units first: each adds the next unit unless
-	// that would bring two user or two assistant messages together (the
-	// unit is kept then, and later ones may still go). Only the drop a unit
-	// extends or opens can become invalid (the others and their
-	// neighbours are unchanged), so each unit costs O(1): drops grows in
-	// place and a set is its length and its last drop's end (linear in the
-	// number of turns; a 32 MiB body of tiny turns must not pin a core).
-	type dropSet struct{ n, lastTo int }
-	var drops []Drop
-	var sets []dropSet // sets[k] drops k+1 units
-	headSets := 0
+	return units
+}
+
+// dropSet is the drop of the first units that dropSets kept: the first n
+// drops, the last of them ending at lastTo.
+type dropSet struct{ n, lastTo int }
+
+// dropSets are the candidate drops, each one unit more than the one
+// before: drops in their longest form, and sets[k] the one that drops k+1
+// units; the first head of them lie within the head (before the tail).
+type dropSets struct {
+	drops []Drop
+	sets  []dropSet
+	head  int
+}
+
+// dropSets builds the drop sets, oldest units first: each adds the next
+// unit unless that would bring two user or two assistant messages
+// together (the unit is kept then, and later ones may still go). Only the
+// drop a unit extends or opens can become invalid (the others and their
+// neighbours are unchanged), so each unit costs O(1): drops grows in place
+// and a set is its length and its last drop's end (linear in the number
+// of turns; a 32 MiB body of tiny turns must not pin a core).
+func (r *run) dropSets(p plan, units []dropUnit) dropSets {
+	var ds dropSets
 	lastBefore := "" // the role before the last drop's start
 	for _, u := range units {
 		after := r.msgs[u.to].Role
-		merge := len(drops) > 0 && drops[len(drops)-1].To == u.from
+		merge := len(ds.drops) > 0 && ds.drops[len(ds.drops)-1].To == u.from
 		before := lastBefore
 		if !merge {
-			before = r.roleBefore(*p, u.from)
+			before = r.roleBefore(p, u.from)
 		}
 		if (before == "user" || before == "assistant") && before == after {
 			continue
 		}
 		if merge {
-			drops[len(drops)-1].To = u.to
+			ds.drops[len(ds.drops)-1].To = u.to
 		} else {
-			drops = append(drops, Drop{From: u.from, To: u.to})
+			ds.drops = append(ds.drops, Drop{From: u.from, To: u.to})
 			lastBefore = before
 		}
-		sets = append(sets, dropSet{len(drops), u.to})
+		ds.sets = append(ds.sets, dropSet{len(ds.drops), u.to})
 		if u.to <= r.tail {
-			headSets = len(sets)
+			ds.head = len(ds.sets)
 		}
 	}
-	// planOf is the plan that drops set k's units.
-	planOf := func(k int) plan {
-		q := *p
-		q.drops = slices.Clone(drops[:sets[k].n])
-		q.drops[len(q.drops)-1].To = sets[k].lastTo
-		if r.chain {
-			for i := range q.drops {
-				q.drops[i].Prefix = r.in.Chain[q.drops[i].To]
-			}
-		}
-		return q
-	}
-	// pick returns the first of sets[:limit] whose view is at goal or
-	// below, else the last (the estimate falls as more units go).
-	pick := func(limit, goal int) (plan, int) {
-		lo, hi := 0, limit-1
-		for lo < hi {
-			mid := (lo + hi) / 2
-			if r.est(r.view(planOf(mid))) <= goal {
-				hi = mid
-			} else {
-				lo = mid + 1
-			}
-		}
-		q := planOf(lo)
-		return q, r.est(r.view(q))
-	}
-	if headSets > 0 {
-		if q, e := pick(headSets, target-1); e < cur {
-			*p, cur = q, e
-			r.newDrop = true
-			if cur <= budget {
-				return cur
-			}
+	return ds
+}
+
+// dropPlan is p with set k of ds dropped.
+func (r *run) dropPlan(p plan, ds dropSets, k int) plan {
+	q := p
+	q.drops = slices.Clone(ds.drops[:ds.sets[k].n])
+	q.drops[len(q.drops)-1].To = ds.sets[k].lastTo
+	if r.chain {
+		for i := range q.drops {
+			q.drops[i].Prefix = r.in.Chain[q.drops[i].To]
 		}
 	}
-	if len(sets) > headSets {
-		if q, e := pick(len(sets), budget); e < cur {
-			*p, cur = q, e
-			r.newDrop = true
+	return q
+}
+
+// pickDrop returns the first of ds.sets[:limit] whose view is at goal or
+// below, else the last (the estimate falls as more units go), with its
+// estimate.
+func (r *run) pickDrop(p plan, ds dropSets, limit, goal int) (plan, int) {
+	lo, hi := 0, limit-1
+	for lo < hi {
+		mid := (lo + hi) / 2
+		if r.est(r.view(r.dropPlan(p, ds, mid))) <= goal {
+			hi = mid
+		} else {
+			lo = mid + 1
 		}
 	}
-	return cur
+	q := r.dropPlan(p, ds, lo)
+	return q, r.est(r.view(q))
 }
 
 // roleBefore is the role of the forwarded message just before client

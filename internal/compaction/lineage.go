@@ -130,7 +130,7 @@ func MergeBackground(ls []Lineage, l Lineage) []Lineage {
 // SaveLineage returns ls with l stored in it (ls itself is not modified).
 // l replaces the lineage of the same ID only while that one is still at
 // generation base, the one l was computed from, unless force is set (a
-// summarize result supersedes what others recorded meanwhile: it cost a
+// summarize result supersedes what others stored meanwhile: it cost a
 // model call, and the next request re-applies it). Otherwise l is stale and
 // ls is returned unchanged with ok false. A new ID is added; beyond
 // MaxLineages the least recently used lineage is evicted. The stored
@@ -170,7 +170,7 @@ func (l Lineage) WithAnchors(anchors []anchor.Anchor) State {
 	return st
 }
 
-// MergeAnchor returns anchors with a recorded (State.AddAnchor's rule: most
+// MergeAnchor returns anchors with a added to them (State.AddAnchor's rule: most
 // recent first, at most MaxAnchors, the same prefix replaced); anchors
 // itself is not modified.
 func MergeAnchor(anchors []anchor.Anchor, a anchor.Anchor) []anchor.Anchor {

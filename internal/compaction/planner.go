@@ -27,8 +27,9 @@ type Config struct {
 	// their call).
 	KeepTail int
 	// TailRatio extends the verbatim tail backward by whole turns while it
-	// stays within this share of the room (budget − F). 0 = no extension
-	// (the configuration's default is 0.3).
+	// stays within this share of the room (budget − F). 0 = no extension:
+	// NewPlanner does not apply DefaultTailRatio, the configuration's
+	// default.
 	TailRatio float64
 	// LatchGrowth is how many provider-visible messages a conversation must
 	// grow after a failed summarize before the next attempt. 0 disables the
@@ -60,15 +61,19 @@ type Config struct {
 	SummaryMinTokens int
 }
 
-// Defaults applied by New to zero fields.
+// Defaults applied by NewPlanner to zero fields.
 const (
 	DefaultTriggerRatio         = 0.80
 	DefaultTargetRatio          = 0.60
 	DefaultTrimToolResultTokens = 1024
 	DefaultSummaryTokens        = 1024
 	DefaultSummaryMinTokens     = 256
-	DefaultTailRatio            = 0.1
 )
+
+// DefaultTailRatio is the configuration's default for Config.TailRatio
+// (compaction.tail_ratio). NewPlanner does not apply it: a zero TailRatio
+// means no extension of the verbatim tail.
+const DefaultTailRatio = 0.1
 
 // SummaryRequest is the summary a decision asks for (Output.Need): what to
 // fold, how large it may be, and the request shape. The proxy obtains it
@@ -177,7 +182,7 @@ type Input struct {
 	Messages []chat.Message
 	// Chain is the record chain of Messages (RecordChain: keyed after the
 	// leading system messages), d[0..n]; stored records match against it.
-	// Without it (wrong length) nothing is re-applied, recorded or
+	// Without it (wrong length) nothing is re-applied, stored or
 	// summarized (a summary that cannot be stored would be asked for again
 	// at every step).
 	Chain []anchor.Digest
@@ -356,18 +361,8 @@ type run struct {
 	// reapplied are the stored trims that matched.
 	reapplied map[int]int
 
-	newTrims, newSum, newDrop bool
-	// shrunk: the last resort excerpted the re-applied summary.
-	shrunk bool
-	// guarded: the progress guard withheld a summary (the view is within
-	// the budget: the verbatim tail stays verbatim). progressed: it let
-	// this request's compaction through before the trims.
-	guarded, progressed bool
-	// due: a summary is due and the view does not carry it
-	// (ActionSummarizePending): need asks for it, or shadow mode
-	// only reports it.
-	due         bool
-	usedPending bool // a background summary was applied
+	// done is the log of the steps taken (finish reads it).
+	done steps
 	// need is the summary this decision asks for (Output.Need).
 	need *SummaryRequest
 	// corrupt is Planner.corrupt.
@@ -403,10 +398,12 @@ func (pl *Planner) Plan(in Input) Output {
 	}
 	r.tail = tailStart(r.msgs, cfg.KeepTail)
 	r.floor = r.tail
-	return r.compact()
+	return r.decision()
 }
 
-func (r *run) compact() Output {
+// decision is one Plan: re-apply what is stored, size the view and its
+// thresholds, then run the pass's steps.
+func (r *run) decision() Output {
 	cfg := r.cfg
 	out := Output{}
 
@@ -478,13 +475,13 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 	// prefix (the upstream's cache re-evaluates from there) for a step
 	// the next summary folds anyway.
 	if r.summaryWithheld(*p, cur, headStart, budget) {
-		r.guarded = true
+		r.done.add(stepGuarded)
 		return cur
 	}
 	// The guard let this compaction through on the history as it stands:
 	// trims below do not take it back (a trimmed head that then looked too
 	// small to fold would leave a changed prefix and no summary).
-	r.progressed = true
+	r.done.add(stepPassedGuard)
 
 	// 1. Trim tool results outside the leading system messages and the
 	// protected tail, oldest first; not in the head a ready background
@@ -493,7 +490,7 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 	// forwarded prefix (the upstream re-evaluates everything after it)
 	// only to keep that summary stored until a later crossing, older.
 	trimFrom := headStart
-	if _, _, ok := r.pendingPlan(*p, *p, headStart, cur); ok {
+	if r.readyPending(*p, *p, headStart, cur).ok {
 		trimFrom = r.st.Pending.Cut
 	}
 	if cands := r.trimCandidates(*p, trimFrom, max(r.tail, headStart), r.long()); len(cands) > 0 {
@@ -520,7 +517,7 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 	// summary (never the final turn's results: the files the model is
 	// holding; not while the progress guard holds a view within the
 	// budget), then drop whole turns when over the budget.
-	if cur >= target && !r.guarded {
+	if cur >= target && !r.done.has(stepGuarded) {
 		start := p.headStart(r.lead)
 		if cands := r.trimCandidates(*p, start, r.finalResults(), r.long()); len(cands) > 0 {
 			cur, _ = r.applyTrims(p, cands, r.keep, target)
@@ -544,7 +541,7 @@ func (r *run) overBudget(p *plan, cur, budget, target int) int {
 			cur, _ = r.applyTrims(p, cands, tightKeep, budget+1)
 		}
 	}
-	if cur > budget && p.sum != nil && (r.newSum || r.usedPending) {
+	if cur > budget && p.sum != nil && r.done.has(stepSummarized|stepPendingTaken) {
 		// A summary applied now (made, or ready from the background) that
 		// leaves the view over the budget was sized on an estimate the
 		// answer or the client's newest turn proved short (the proxy's

@@ -1,6 +1,7 @@
 package compaction
 
 import (
+	"errors"
 	"flag"
 	"fmt"
 	"os"
@@ -28,13 +29,22 @@ var update = flag.Bool("update", false, "rewrite testdata/*.txt with the planner
 //
 //	config k=v...         a new conversation and planner: window, keep_tail,
 //	                      latch_growth, min_interval, summary_tokens,
-//	                      summary_min_tokens, tail_ratio, trigger, target
-//	system TEXT           the leading system message (set before or between steps)
-//	task TEXT             the first user message
-//	step N                an agent step: an assistant call and its tool result of N bytes
+//	                      summary_min_tokens, tail_ratio, trigger, target,
+//	                      reserve, trim_tokens, summarizer=off, shadow=on,
+//	                      corrupt=orphan (every produced view loses its
+//	                      first tool call: the invariant's test)
+//	system TEXT|N         the leading system message, or N bytes of one (set
+//	                      before or between steps)
+//	task TEXT|N           the first user message (or N bytes of one)
+//	step N [N...]         an agent step: an assistant call and its tool result of
+//	                      N bytes (several sizes: parallel calls in one message)
+//	steps K N             K agent steps of N bytes each
 //	user TEXT             a user message
-//	plan [recover|background]  decide for the conversation as it is now
-//	answer ok [N]|fail|canceled  the summarizer's answer (N bytes) to the last plan's need
+//	reply TEXT            an assistant message without calls
+//	plan [recover [measured=N]|background]  decide for the conversation as it is now
+//	answer ok [N]|empty|fail|canceled  the summarizer's answer (N bytes) to the
+//	                      last plan's need
+//	view                  the last decision's forwarded view, one message a line
 //	clock +DURATION       move the clock
 //	save NAME / load NAME keep the conversation's messages / go back to them
 //	                      (another history of the same conversation)
@@ -121,6 +131,7 @@ func (s *scriptSession) configure(args []string) {
 		SummaryTokens: 1024, SummaryMinTokens: 256, TailRatio: 0.3,
 	}
 	s.window = 8000
+	corrupt := false
 	for _, a := range args {
 		k, v, _ := strings.Cut(a, "=")
 		n, _ := strconv.Atoi(v)
@@ -150,11 +161,22 @@ func (s *scriptSession) configure(args []string) {
 			cfg.TargetRatio = f
 		case "reserve":
 			cfg.ReserveTokens = n
+		case "trim_tokens":
+			cfg.TrimToolResultTokens = n
+		case "summarizer":
+			cfg.SummarizerEnabled = v != "off"
+		case "shadow":
+			cfg.Shadow = v == "on"
+		case "corrupt":
+			corrupt = v == "orphan"
 		default:
 			s.t.Fatalf("config: unknown key %q", k)
 		}
 	}
 	s.p = NewPlanner(cfg)
+	if corrupt {
+		s.p.corrupt = dropFirstCall
+	}
 	s.system, s.msgs, s.calls, s.lineages = "You are a coding agent.", nil, 0, nil
 	s.now = time.Date(2026, 12, 1, 0, 0, 0, 0, time.UTC)
 }
@@ -173,18 +195,34 @@ func (s *scriptSession) run(line string) string {
 		s.configure(f[1:])
 		return "ok\n"
 	case "system":
-		s.system = rest
+		s.system = sizedText(f[0], rest)
 		return "ok\n"
 	case "task", "user":
-		s.msgs = append(s.msgs, userMsg(rest))
+		s.msgs = append(s.msgs, userMsg(sizedText(f[0], rest)))
+		return fmt.Sprintf("%d messages\n", len(s.msgs)+1)
+	case "reply":
+		s.msgs = append(s.msgs, asstMsg(rest))
 		return fmt.Sprintf("%d messages\n", len(s.msgs)+1)
 	case "step":
-		n, _ := strconv.Atoi(f[1])
-		id := fmt.Sprintf("call_%d", s.calls)
-		s.msgs = append(s.msgs, callMsg("", fmt.Sprintf(`%s:read:{"path":"f%d.go"}`, id, s.calls)),
-			toolMsg(id, blob(fmt.Sprintf("f%d", s.calls), n)))
-		s.calls++
+		var calls []string
+		var results []msg
+		for _, a := range f[1:] {
+			n, _ := strconv.Atoi(a)
+			id := fmt.Sprintf("call_%d", s.calls)
+			calls = append(calls, fmt.Sprintf(`%s:read:{"path":"f%d.go"}`, id, s.calls))
+			results = append(results, toolMsg(id, blob(fmt.Sprintf("f%d", s.calls), n)))
+			s.calls++
+		}
+		s.msgs = append(append(s.msgs, callMsg("", calls...)), results...)
 		return fmt.Sprintf("%d messages\n", len(s.msgs)+1)
+	case "steps":
+		k, _ := strconv.Atoi(f[1])
+		for range k {
+			s.run("step " + f[2])
+		}
+		return fmt.Sprintf("%d messages\n", len(s.msgs)+1)
+	case "view":
+		return showView(s.lastOut.Messages)
 	case "save":
 		if s.saved == nil {
 			s.saved = map[string][]msg{}
@@ -202,11 +240,14 @@ func (s *scriptSession) run(line string) string {
 		s.now = s.now.Add(d)
 		return "ok\n"
 	case "plan":
-		pass := PassForward
+		pass, measured := PassForward, 0
 		if len(f) > 1 {
 			pass = map[string]Pass{"recover": PassRecover, "background": PassBackground}[f[1]]
 		}
-		return s.plan(pass)
+		if len(f) > 2 {
+			measured, _ = strconv.Atoi(strings.TrimPrefix(f[2], "measured="))
+		}
+		return s.plan(pass, measured)
 	case "answer":
 		return s.answer(f[1:])
 	case "state":
@@ -216,7 +257,7 @@ func (s *scriptSession) run(line string) string {
 	return ""
 }
 
-func (s *scriptSession) plan(pass Pass) string {
+func (s *scriptSession) plan(pass Pass, measured int) string {
 	view := s.view()
 	chain := RecordChain(testSeed, digestsOf(s.t, view), LeadingSystem(view))
 	li := SelectLineage(s.lineages, chain)
@@ -224,14 +265,15 @@ func (s *scriptSession) plan(pass Pass) string {
 	if li >= 0 {
 		st = s.lineages[li].State
 	}
-	in := Input{Messages: view, Chain: chain, State: st, Window: s.window, Estimate: fakeEstimate, Now: s.now, Pass: pass}
+	in := Input{Messages: view, Chain: chain, State: st, Window: s.window, Estimate: fakeEstimate, Now: s.now, Pass: pass, Measured: measured}
 	out := s.p.Plan(in)
 	s.lastIn, s.lastOut, s.lastLi = in, out, li
 	if out.Need == nil {
 		s.save(li, chain, out)
-	} else if n := out.Need; len(n.Head) > len(n.Prefix) ||
-		n.HeadTokens != fakeEstimate(n.Prefix).Tokens-fakeEstimate(n.Prefix[:len(n.Prefix)-len(n.Head)]).Tokens {
-		// The head's cost is what it adds to the prefix it ends.
+	} else if n := out.Need; measured == 0 && (len(n.Head) > len(n.Prefix) ||
+		n.HeadTokens != fakeEstimate(n.Prefix).Tokens-fakeEstimate(n.Prefix[:len(n.Prefix)-len(n.Head)]).Tokens) {
+		// The head's cost is what it adds to the prefix it ends (scaled
+		// by a measurement when there is one).
 		s.t.Errorf("need: head of %d messages counted %d in a %d-message prefix of %d", len(n.Head), n.HeadTokens, len(n.Prefix), n.PrefixTokens)
 	}
 	return describe(out, li)
@@ -250,6 +292,8 @@ func (s *scriptSession) answer(args []string) string {
 			n, _ = strconv.Atoi(args[1])
 		}
 		res = ResultFor(need, blob("summary", n), 0, nil, false)
+	case "empty":
+		res = ResultFor(need, "  ", 0, nil, false)
 	case "fail":
 		res = ResultFor(need, "", 0, errRejected, false)
 	case "canceled":
@@ -327,6 +371,15 @@ func describe(out Output, li int) string {
 	if ev.Suppressed != "" {
 		fmt.Fprintf(&b, " suppressed=%s", ev.Suppressed)
 	}
+	switch err := ev.SummaryError; {
+	case err == nil:
+	case errors.Is(err, ErrEmptySummary):
+		b.WriteString(" error=empty")
+	case errors.Is(err, ErrSummaryNotSmaller):
+		b.WriteString(" error=not_smaller")
+	default:
+		b.WriteString(" error=summarizer")
+	}
 	if ev.LatchEngaged {
 		b.WriteString(" latch=engaged")
 	}
@@ -337,10 +390,67 @@ func describe(out Output, li int) string {
 		}
 		fmt.Fprintf(&b, " new=%s", strings.Join(acts, ","))
 	}
+	if ev.InvariantFailure {
+		b.WriteString(" invariant=failed")
+	}
+	if ev.Impossible {
+		b.WriteString(" impossible")
+	}
 	if li < 0 {
 		b.WriteString(" lineage=new")
 	}
 	return b.String() + "\n"
+}
+
+// sizedText is text, or a blob of that many bytes when text is a number.
+func sizedText(tag, text string) string {
+	if n, err := strconv.Atoi(text); err == nil {
+		return blob(tag, n)
+	}
+	return text
+}
+
+// showView prints a forwarded view, one message a line: its position, role
+// and what it holds (a text's first words or its size, the calls it makes,
+// an excerpt's size, the summary block's parts).
+func showView(view []chat.Message) string {
+	var b strings.Builder
+	for i := range view {
+		m := &view[i]
+		text := chat.Text(*m)
+		fmt.Fprintf(&b, "%2d %-9s ", i, m.Role)
+		switch {
+		case strings.HasPrefix(text, summaryLabel):
+			fmt.Fprintf(&b, "[summary, %d bytes]", len(text)-len(summaryLabel))
+		case len(m.ToolCalls) > 0:
+			ids := make([]string, len(m.ToolCalls))
+			for k, c := range m.ToolCalls {
+				ids[k] = c.ID
+			}
+			fmt.Fprintf(&b, "calls %s", strings.Join(ids, ","))
+		case m.Role == "tool" && strings.Contains(text, " characters elided by compactproxy ...]"):
+			fmt.Fprintf(&b, "%s: excerpt, %d bytes", m.ToolCallID, len(text))
+		case m.Role == "tool":
+			fmt.Fprintf(&b, "%s: %d bytes", m.ToolCallID, len(text))
+		case len(text) > 48:
+			fmt.Fprintf(&b, "%d bytes", len(text))
+		default:
+			b.WriteString(text)
+		}
+		b.WriteString("\n")
+	}
+	return b.String()
+}
+
+// dropFirstCall removes the view's first assistant message with calls,
+// leaving its results unanswered (corrupt=orphan).
+func dropFirstCall(view []chat.Message) []chat.Message {
+	for i := range view {
+		if len(view[i].ToolCalls) > 0 {
+			return append(view[:i:i], view[i+1:]...)
+		}
+	}
+	return view
 }
 
 func digestsOf(tb testing.TB, msgs []chat.Message) []anchor.Digest {

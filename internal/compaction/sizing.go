@@ -97,6 +97,12 @@ func (r *run) extendTail(cut, headStart, fixed, limit int) int {
 	return cands[lo-1]
 }
 
+// Estimates. est is the one call of the Estimator: a list of messages,
+// scaled when a measurement said the estimator undercounts. estimate is
+// the one for a plan whose summary may be new (its text counted by the
+// bound the summarizer gave, anchored on the view it replaces when it
+// can); summarySplit is the summary's share of a view.
+
 // est estimates a view, scaled when a measurement said the estimator
 // undercounts.
 func (r *run) est(view []chat.Message) int {
@@ -107,62 +113,51 @@ func (r *run) est(view []chat.Message) int {
 	return t
 }
 
-// summarySplit estimates p's view without its summary's text (bare) and
-// what the text takes in it: the estimate's share, or Summary.Tokens when
-// that bound is known and smaller (a summary asked for n tokens of the
-// upstream's own model takes at most n). Without a summary, text is 0.
-func (r *run) summarySplit(p plan) (bare, text int) {
-	full := r.est(r.view(p))
-	s := p.sum
-	if s == nil {
-		return full, 0
-	}
-	b := *s
-	b.Text = ""
-	q := p
-	q.sum = &b
-	bare = r.est(r.view(q))
-	text = max(full-bare, 0)
-	if s.Tokens > 0 {
-		// The upstream's own count of the text (its completion tokens,
-		// or the limit it was given): the estimator's ratio is calibrated
-		// on code and tool output, not on a model's prose.
-		text = s.Tokens
-	}
-	return bare, text
+// sized is a plan and the estimate of its view.
+type sized struct {
+	p      plan
+	tokens int
 }
 
-// freshEst estimates q, the plan p with a new summary in place of (part
-// of) its head, from cur, the estimate of p's view (anchored: measured up
-// to the client's newest messages): cur, less p's summary text, plus q's,
+// estimate sizes q's view with its summary's text counted as summarySplit
+// does. Alone (from nil) that estimate is not anchored: the calibration's
+// overhead plus its ratio times the local count, and the overhead of a fit
+// across views of mixed content (system prompt, a prose summary, code) can
+// be hundreds of tokens where the request has none (stories260K with
+// ChatML, no tools array rendered: 120–470 tokens, and views right after a
+// summary 13% over llama-server's count). The first response then measures
+// the view exactly: later requests are anchored.
+//
+// from is the plan q replaces (part of) the head of, with its view's
+// estimate (anchored: measured up to the client's newest messages). The
+// estimate from it is from.tokens, less from's summary text, plus q's,
 // plus the difference of the rest at the conversation's rate for the
-// messages it appends (anchor.AppendRate, over every measured step). The
-// system messages and the tail, common to both views, cancel out. The
-// estimate of q's view alone (summaryEst) is not anchored: the
-// calibration's overhead plus its ratio times the local count, and the
-// overhead of a fit across views of mixed content (system prompt, a prose
-// summary, code) can be hundreds of tokens where the request has none
-// (stories260K with ChatML, no tools array rendered: 120–470 tokens, and
-// views right after a summary 13% over llama-server's count). Each errs
-// high in its own case: summaryEst by that overhead, this one where the
-// messages it drops cost more than the appended ones' rate (a prose task
-// folded at a 4k window: 12–15% over). The estimate is the smaller of
-// the two; without a rate yet it is summaryEst. (A summary is then a
-// failure only when neither finds the view smaller.)
-func (r *run) freshEst(p plan, cur int, q plan) int {
-	old := r.summaryEst(q)
+// messages it appends (anchor.AppendRate, over every measured step); the
+// system messages and the tail, common to both views, cancel out. Each
+// errs high in its own case: the one alone by that overhead, this one
+// where the messages it drops cost more than the appended ones' rate (a
+// prose task folded at a 4k window: 12–15% over). The estimate is the
+// smaller of the two; without a rate yet it is the one alone. (A summary
+// is then a failure only when neither finds the view smaller.)
+func (r *run) estimate(q plan, from *sized) int {
+	bare, text := r.summarySplit(q)
+	alone := bare + text
+	if from == nil || q.sum == nil {
+		return alone
+	}
 	var rate float64
 	ok := len(r.in.State.Anchors) > 0
 	if ok {
 		rate, ok = r.in.State.Anchors[0].AppendRate()
 	}
-	if !ok || q.sum == nil {
-		return old
+	if !ok {
+		return alone
 	}
 	rate *= r.scale
-	pBare, pFull := r.localSplit(p)
-	qBare, qFull := r.localSplit(q)
-	text := func(s *Summary, bare, full int) float64 {
+	local := func(v []chat.Message) int { return r.in.Estimate(v).Local }
+	pBare, pFull := r.split(from.p, local)
+	qBare, qFull := r.split(q, local)
+	textOf := func(s *Summary, bare, full int) float64 {
 		switch {
 		case s == nil:
 			return 0
@@ -172,17 +167,33 @@ func (r *run) freshEst(p plan, cur int, q plan) int {
 			return rate * float64(full-bare)
 		}
 	}
-	e := int(float64(cur) - text(p.sum, pBare, pFull) + text(q.sum, qBare, qFull) + rate*float64(qBare-pBare) + 0.5)
+	e := int(float64(from.tokens) - textOf(from.p.sum, pBare, pFull) + textOf(q.sum, qBare, qFull) + rate*float64(qBare-pBare) + 0.5)
 	if e <= 0 {
-		return old
+		return alone
 	}
-	return min(e, old)
+	return min(e, alone)
 }
 
-// localSplit is the local count of p's view without its summary's text
-// (bare) and with it (full).
-func (r *run) localSplit(p plan) (bare, full int) {
-	full = r.in.Estimate(r.view(p)).Local
+// summarySplit estimates p's view without its summary's text (bare) and
+// what the text takes in it: the estimate's share, or Summary.Tokens when
+// that bound is known and smaller (a summary asked for n tokens of the
+// upstream's own model takes at most n). Without a summary, text is 0.
+func (r *run) summarySplit(p plan) (bare, text int) {
+	bare, full := r.split(p, r.est)
+	text = max(full-bare, 0)
+	if p.sum != nil && p.sum.Tokens > 0 {
+		// The upstream's own count of the text (its completion tokens,
+		// or the limit it was given): the estimator's ratio is calibrated
+		// on code and tool output, not on a model's prose.
+		text = p.sum.Tokens
+	}
+	return bare, text
+}
+
+// split counts p's view without its summary's text (bare) and with it
+// (full) by count.
+func (r *run) split(p plan, count func([]chat.Message) int) (bare, full int) {
+	full = count(r.view(p))
 	if p.sum == nil {
 		return full, full
 	}
@@ -190,15 +201,7 @@ func (r *run) localSplit(p plan) (bare, full int) {
 	b.Text = ""
 	q := p
 	q.sum = &b
-	return r.in.Estimate(r.view(q)).Local, full
-}
-
-// summaryEst estimates q, a plan whose summary is new, with its text
-// counted as summarySplit does. (The first response then measures the
-// view exactly: later requests are anchored.)
-func (r *run) summaryEst(q plan) int {
-	bare, text := r.summarySplit(q)
-	return bare + text
+	return count(r.view(q)), full
 }
 
 // minRoom is the least room a summary needs: summary_min_tokens, or the

@@ -89,7 +89,7 @@ type Summary struct {
 	AskInline bool
 }
 
-// Trim records one tool result forwarded as a head/tail excerpt.
+// Trim is the record of one tool result forwarded as a head/tail excerpt.
 type Trim struct {
 	// Index is the client position of the tool message; Prefix is the
 	// client chain's d[Index+1], which covers the message and everything
@@ -101,14 +101,15 @@ type Trim struct {
 	Keep int
 }
 
-// Drop records a range of client messages [From, To) that is not forwarded.
+// Drop is the record of a range of client messages [From, To) that is not
+// forwarded.
 // Prefix is the client chain's d[To].
 type Drop struct {
 	From, To int
 	Prefix   anchor.Digest
 }
 
-// AddAnchor records a measurement: most recent first, at most MaxAnchors,
+// AddAnchor adds a measurement: most recent first, at most MaxAnchors,
 // and an earlier anchor of the same prefix (PrefixLen and Prefix) is
 // replaced.
 func (s *State) AddAnchor(a anchor.Anchor) {

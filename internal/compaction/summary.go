@@ -52,35 +52,70 @@ func (r *run) rejoined(s Summary) *Summary {
 	return &s
 }
 
-// pendingPlan is base (the plan without the head; its trims after the cut
-// are kept) with the background summary applied, and its estimate (from p,
-// the plan now, whose view's estimate is cur), when that summary's head
-// still matches the client's chain, it lies within the current head and it
-// shrinks the view: no model call on the request that crosses the trigger.
-func (r *run) pendingPlan(p, base plan, headStart, cur int) (plan, int, bool) {
-	ps := r.st.Pending
-	if ps == nil || !r.chain || ps.Lead != r.lead || ps.Cut <= headStart || ps.Cut > max(r.tail, r.floor) ||
-		ps.Cut >= r.n || r.in.Chain[ps.Cut] != ps.Head {
-		return plan{}, 0, false
-	}
-	s := r.joined(*ps)
-	q := withSummary(base, s)
-	e := r.freshEst(p, cur, q)
-	if e >= cur {
-		return plan{}, 0, false
-	}
-	return q, e, true
+// pendingPlan is the ready background summary applied to a plan, and the
+// estimate of its view (ok false: none applies).
+type pendingPlan struct {
+	q  plan
+	e  int
+	ok bool
 }
 
-// takePending records that the background summary is applied: it leaves
+// readyPending is base (the plan without the head; its trims after the
+// cut are kept) with the background summary applied, and its estimate
+// (from p, the plan now, whose view's estimate is cur), when that
+// summary's head still matches the client's chain, it lies within the
+// current head and it shrinks the view: no model call on the request that
+// crosses the trigger.
+//
+// A ready background summary applies whatever the guard, which is about
+// calls, when it brings the view to the target. One that does not (the
+// client's newest turn was large: at 8k a single read can be a third of
+// the room) would leave the next request over the trigger again, a
+// summary on the next step too: it is kept for when no new summary can be
+// made now (latched, throttled, failed), and a new one folds from the cut
+// as it is now. A drop is never chosen while a summary fits.
+func (r *run) readyPending(p, base plan, headStart, cur int) pendingPlan {
+	if !r.pendingMatches(headStart) || r.st.Pending.Cut > max(r.tail, r.floor) {
+		return pendingPlan{}
+	}
+	s := r.joined(*r.st.Pending)
+	q := withSummary(base, s)
+	e := r.estimate(q, &sized{p, cur})
+	if e >= cur {
+		return pendingPlan{}
+	}
+	return pendingPlan{q, e, true}
+}
+
+// takePending applies the ready background summary to p: it leaves
 // Pending and, a summary that worked, releases the latch (not when it
-// stands in for a new summary that just failed).
-func (r *run) takePending(release bool) {
+// stands in for a new summary that just failed). It returns the view's
+// estimate.
+func (r *run) takePending(p *plan, ready pendingPlan, release bool) (int, bool) {
 	r.st.Pending = nil
-	r.usedPending = true
+	r.done.add(stepPendingTaken)
 	if release {
 		r.st.Latched, r.st.LatchCount = false, 0
 	}
+	*p = ready.q
+	return ready.e, true
+}
+
+// fallBack is where a summarize step that makes no summary ends: the ready
+// background summary when there is one, else the plan as it is.
+func (r *run) fallBack(p *plan, ready pendingPlan, cur int) (int, bool) {
+	if !ready.ok {
+		return cur, false
+	}
+	return r.takePending(p, ready, !r.st.Latched)
+}
+
+// pendingMatches tells whether the background summary in State.Pending
+// still applies to the client's messages: its head matches their chain
+// and it lies within the head after headStart.
+func (r *run) pendingMatches(headStart int) bool {
+	ps := r.st.Pending
+	return ps != nil && r.chain && ps.Lead == r.lead && ps.Cut > headStart && ps.Cut < r.n && r.in.Chain[ps.Cut] == ps.Head
 }
 
 // keptAfter returns what follows prefix in view when prefix is, byte for
@@ -104,8 +139,7 @@ func (r *run) presummarize(out Output, p plan, cur int) Output {
 	out.Messages, out.Action, out.Forwarded = r.in.Messages, ActionNone, cur
 	headStart := p.headStart(r.lead)
 	r.tail = r.nextTail(headStart, out)
-	if ps := r.st.Pending; ps != nil && r.chain && ps.Lead == r.lead && ps.Cut > headStart && ps.Cut < r.n &&
-		r.in.Chain[ps.Cut] == ps.Head {
+	if r.pendingMatches(headStart) {
 		// The background summary made at an earlier step still applies:
 		// one is enough until the trigger is crossed.
 	} else if c := r.st.LastAttemptCount; c > 0 && c <= r.n && assistantTurns(r.msgs[c:]) <= backgroundRest {
@@ -119,12 +153,12 @@ func (r *run) presummarize(out Output, p plan, cur int) Output {
 	} else if cfg.SummarizerEnabled && r.chain && !cfg.Shadow && r.tail > headStart && r.tail < r.n {
 		q := p
 		r.st.Pending = nil // a new one supersedes it
-		if _, ok := r.summarize(&q, cur, headStart, out.Budget, out.Target); ok && q.sum != nil && r.newSum {
+		if _, ok := r.summarize(&q, cur, headStart, out.Budget, out.Target); ok && q.sum != nil && r.done.has(stepSummarized) {
 			s := *q.sum
 			r.st.Pending = &s
 		}
 	}
-	r.newSum = false
+	r.done.forget(stepSummarized)
 	out.State = r.st
 	out.StateChanged = !stateEqual(r.in.State, r.st)
 	out.Events = r.ev
@@ -148,206 +182,109 @@ func assistantTurns(msgs []chat.Message) int {
 	return n
 }
 
-// summarize runs step 2 (sizing, latch, throttle, the call) and returns the
-// estimate of the resulting plan and whether a summary now applies.
+// summarize runs step 2 and returns the estimate of the resulting plan and
+// whether a summary now applies. Its steps, each on its own: size the
+// summary (the cut and its room), fall back on a ready background summary,
+// the gates (progress guard, latch, throttle), then shadow's report, the
+// ask, or the acceptance of the answer.
 func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool) {
 	cfg := r.cfg
-	// measure sizes a summary with the verbatim tail from cut on: the
-	// summary's room is the target minus the view without the head
-	// (system messages, the summary's label, acknowledgement, ask, tail).
-	measure := func(cut int) (cand *Summary, base plan, withoutHead, room int) {
-		cand = r.joined(Summary{Cut: cut, Head: r.in.Chain[cut], Lead: r.lead})
-		base = withSummary(*p, cand)
-		withoutHead = r.est(r.view(base))
-		room = target - withoutHead
-		if room < cfg.minRoom() {
-			// Excerpt the tail's oldest long tool results (never the final
-			// message) and measure again; then accept the budget.
-			if cands := r.trimCandidates(base, cut, r.finalResults(), 0); len(cands) > 0 {
-				r.applyTrims(&base, cands, tightKeep, target-cfg.minRoom())
-				room = target - r.est(r.view(base))
-			}
-			if room < cfg.minRoom() {
-				room = budget - r.est(r.view(base))
-			}
-		}
-		return cand, base, withoutHead, room
-	}
-	cut := r.tail
-	var cand *Summary
-	var base plan
-	withoutHead, room := 0, -1
-	if cut > headStart {
-		cand, base, withoutHead, room = measure(cut)
-	} else {
-		// The tail's floor covers everything since the previous cut and
-		// the view is over the budget: only a later cut can help.
-		cut = headStart
-	}
-	// short: a cut whose summary has less than its least room, or folds
-	// less than that (a head that holds only the ask it re-inserts).
-	short := func(room, withoutHead int) bool { return room < cfg.minRoom() || cur-withoutHead < cfg.minRoom() }
-	// refold: no cut leaves a summary its least room, and the one in
-	// place is folded again with what follows it, no larger than it is.
-	refold := false
-	if short(room, withoutHead) {
-		// The tail's floor itself leaves no summary room, or nothing to
-		// fold (a small window with a large fixed part: keep_tail spans
-		// two turns; an agent whose only instruction is its first
-		// message). Its older turns go into the summary, never past the
-		// final message's turn: otherwise they would be dropped, and their
-		// content lost.
-		final := r.n - 1
-		for final > cut && isToolRole(r.msgs[final].Role) {
-			final--
-		}
-		for c := cut + 1; c <= final && short(room, withoutHead); c++ {
-			if isToolRole(r.msgs[c].Role) {
-				continue
-			}
-			if cc, cb, cw, cr := measure(c); !short(cr, cw) {
-				cut, cand, base, withoutHead, room = c, cc, cb, cw, cr
-			}
-		}
-		if room < cfg.minRoom() && final > headStart {
-			// No cut leaves a summary its least room: the fixed part, the
-			// ask and the final message's turn fill the budget (a two-read
-			// turn at Qwen2.5 2k). The drop would remove every turn before
-			// the final one, keep the summary in place, and leave the view
-			// as large. A new summary folds them instead, into the room
-			// there is, and never larger than the one it replaces: a view
-			// at most the drop's size, nothing lost. The summary in place
-			// may itself be under summary_min_tokens (asked for half of a
-			// small head): that least room is for a summary that opens a
-			// history, not for one that takes the place of another.
-			_, old := r.summarySplit(*p)
-			if old = min(old, cfg.SummaryTokens); old > 0 {
-				if final != cut || cand == nil {
-					cand, base, withoutHead, room = measure(final)
-					cut = final
-				}
-				room, refold = min(old, max(room, summaryFloorBytes/bytesPerToken)), true
-			}
-		}
-		if cand == nil || (room < cfg.minRoom() && !refold) {
-			return cur, false
-		}
-		r.tail = cut
+	sz, ok := r.sizeSummary(*p, cur, headStart, budget, target)
+	if !ok {
+		return cur, false
 	}
 	// A summary can only pay for itself when it is smaller than what it
 	// replaces: the head as forwarded now.
-	headTokens := cur - withoutHead
-	// What a new summary would take in beyond the previous one: the head
-	// messages after the previous cut, as forwarded. Folding less than
-	// summary_min_tokens of them is not worth a model call (a view that
-	// stays over the trigger after a summary would otherwise be summarized
-	// again at every step), unless the view is over the budget: then the
-	// alternative is a drop, and a summary that fits comes first.
-	//
-	// The progress guard: a compaction aims at the target so that the
-	// next steps fit without compacting again; a new summary is made only
-	// once it folds at least max(summary_min_tokens, a quarter of the room)
-	// of history not yet summarized. Until then the cheaper steps (trim,
-	// excerpts, re-applying what is stored) keep the view under the
-	// budget; the guard yields when they cannot.
-	fresh := r.est(r.prefixView(*p, cut)) - r.est(r.prefixView(*p, headStart))
-	if !refold && (room < cfg.minRoom() || headTokens < cfg.minRoom()) {
+	headTokens := cur - sz.withoutHead
+	if !sz.refold && (sz.room < cfg.minRoom() || headTokens < cfg.minRoom()) {
 		return cur, false // no summary fits: step 4
 	}
-	// A background summary that is ready costs no model call: it applies
-	// whatever the guard, which is about calls, when it brings the view
-	// to the target. One that does not (the client's newest turn was
-	// large: at 8k a single read can be a third of the room) would leave
-	// the next request over the trigger again, a summary on the next step
-	// too: it is kept for when no new summary can be made now (latched,
-	// throttled, failed), and a new one folds from the cut as it is now. A
-	// drop is never chosen while a summary fits.
-	failed := func() (int, bool) { return cur, false }
-	pending := false
-	if q, e, ok := r.pendingPlan(*p, base, headStart, cur); ok {
-		take := func(release bool) (int, bool) {
-			r.takePending(release)
-			*p = q
-			return e, true
-		}
-		if e <= target {
-			return take(true)
-		}
-		failed = func() (int, bool) { return take(!r.st.Latched) }
-		pending = e <= budget
+	ready := r.readyPending(*p, sz.base, headStart, cur)
+	if ready.ok && ready.e <= target {
+		return r.takePending(p, ready, true)
 	}
-	if fresh < r.progress() && cur <= budget && !r.progressed {
-		if pending {
-			return failed() // the guard withholds a call, not a summary made
+	if r.guardHolds(*p, sz.cut, headStart, cur, budget) {
+		if ready.ok && ready.e <= budget {
+			// The guard withholds a call, not a summary made.
+			return r.takePending(p, ready, !r.st.Latched)
 		}
-		r.guarded = true
+		r.done.add(stepGuarded)
 		return cur, false
 	}
-	// Ask for no more than can be used: the room, and half of what the
-	// summary folds (small local models write to their limit; a summary
-	// is never asked to be as large as the history it replaces); and no
-	// more than 1/summaryShare of the room, never under its least room,
-	// from a room of summaryShareFrom times that on (under ~4k windows a
-	// summary is sized by the room alone).
+	limit := r.summaryLimit(sz.room, headTokens)
+	if reason := r.gate(); reason != "" {
+		r.ev.Suppressed = reason
+		return r.fallBack(p, ready, cur)
+	}
+	if cfg.Shadow {
+		r.done.add(stepDue) // shadow decides and reports, never asks
+		return cur, false
+	}
+	if !r.in.Summary.answers(sz.cut, r.in.Chain[sz.cut]) {
+		// Decide, then do: ask for the summary; the caller obtains it and
+		// plans again with the answer.
+		r.need = r.request(*p, sz.cut, headStart, cur, limit)
+		r.done.add(stepDue)
+		return cur, false
+	}
+	return r.accept(p, sz, cur, limit, ready)
+}
+
+// summaryLimit is what a summary is asked for at most: the room, and half
+// of what the summary folds (small local models write to their limit; a
+// summary is never asked to be as large as the history it replaces); and
+// no more than 1/summaryShare of the room, never under its least room,
+// from a room of summaryShareFrom times that on (under ~4k windows a
+// summary is sized by the room alone).
+func (r *run) summaryLimit(room, headTokens int) int {
+	cfg := r.cfg
 	limit := min(cfg.SummaryTokens, room, max(headTokens/2, 1))
 	if r.room/summaryShareFrom >= cfg.minRoom() {
 		limit = min(limit, max(r.room/summaryShare, cfg.minRoom()))
 	}
+	return limit
+}
 
-	n := r.n
-	if r.st.Latched {
-		if n < r.st.LatchCount+cfg.LatchGrowth {
-			r.ev.Suppressed = SuppressedLatch
-			return failed()
+// request is the SummaryRequest for a summary of p's head [headStart, cut)
+// of at most limit tokens, the view at cur.
+func (r *run) request(p plan, cut, headStart, cur, limit int) *SummaryRequest {
+	previous := ""
+	if p.sum != nil {
+		previous = p.sum.Text
+	}
+	prefix := r.prefixView(p, cut)
+	req := &SummaryRequest{
+		Cut: cut, At: r.in.Chain[cut],
+		Head: r.headView(p, headStart, cut), Previous: previous, MaxTokens: limit,
+		Prefix: prefix, PrefixTokens: r.est(prefix),
+	}
+	req.HeadTokens = max(req.PrefixTokens-r.est(r.prefixView(p, headStart)), 0)
+	if r.in.Pass == PassBackground {
+		req.Kept = keptAfter(prefix, r.view(p))
+		if len(req.Kept) > 0 {
+			req.KeptTokens = max(cur-req.PrefixTokens, 0)
 		}
-		r.st.Latched = false
 	}
-	now := r.in.Now
-	if cfg.MinInterval > 0 && r.in.Pass != PassRecover && !r.st.LastAttempt.IsZero() &&
-		r.st.LastAttemptCount == n && now.Sub(r.st.LastAttempt) < cfg.MinInterval {
-		r.ev.Suppressed = SuppressedThrottle
-		return failed()
-	}
-	if cfg.Shadow {
-		r.due = true // shadow decides and reports, never asks
-		return cur, false
-	}
-	at := r.in.Chain[cut]
+	return req
+}
+
+// accept takes the answer in Input.Summary for the summary sized sz (asked
+// for at most limit tokens): the attempt is noted in the state for the throttle; a
+// summary that makes the view smaller applies and releases the latch;
+// anything else is a failure that engages it (unless the call was given
+// up for its requester's sake) and falls back on ready.
+func (r *run) accept(p *plan, sz cutSize, cur, limit int, ready pendingPlan) (int, bool) {
+	cfg := r.cfg
 	res := r.in.Summary
-	if !res.answers(cut, at) {
-		// Decide, then do: ask for the summary; the caller obtains it and
-		// plans again with the answer.
-		previous := ""
-		if p.sum != nil {
-			previous = p.sum.Text
-		}
-		prefix := r.prefixView(*p, cut)
-		req := &SummaryRequest{
-			Cut: cut, At: at,
-			Head: r.headView(*p, headStart, cut), Previous: previous, MaxTokens: limit,
-			Prefix: prefix, PrefixTokens: r.est(prefix),
-		}
-		req.HeadTokens = max(req.PrefixTokens-r.est(r.prefixView(*p, headStart)), 0)
-		if r.in.Pass == PassBackground {
-			req.Kept = keptAfter(prefix, r.view(*p))
-			if len(req.Kept) > 0 {
-				req.KeptTokens = max(cur-req.PrefixTokens, 0)
-			}
-		}
-		r.need, r.due = req, true
-		return cur, false
-	}
-
-	r.st.LastAttempt, r.st.LastAttemptCount = now, n
+	r.st.LastAttempt, r.st.LastAttemptCount = r.in.Now, r.n
 	r.ev.SummarizeCalled = true
 	r.ev.SummaryTokens = limit
-	text, err := res.Text, res.Err
-	text = strings.TrimSpace(text)
+	text, err := strings.TrimSpace(res.Text), res.Err
 	if err == nil && text == "" {
 		err = ErrEmptySummary
 	}
 	if err == nil {
-		s := *cand
+		s := *sz.cand
 		s.Text = text
 		if r.in.SummaryInUpstreamTokens {
 			s.Tokens = limit
@@ -355,11 +292,11 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 				s.Tokens = res.Tokens
 			}
 		}
-		q := withSummary(base, &s)
-		e := r.freshEst(*p, cur, q)
+		q := withSummary(sz.base, &s)
+		e := r.estimate(q, &sized{*p, cur})
 		if e < cur {
 			*p = q
-			r.newSum = true
+			r.done.add(stepSummarized)
 			r.ev.SummarizeOK = true
 			r.st.Latched, r.st.LatchCount = false, 0
 			return e, true
@@ -370,27 +307,10 @@ func (r *run) summarize(p *plan, cur, headStart, budget, target int) (int, bool)
 	}
 	r.ev.SummaryError = err
 	if !res.Canceled { // a client that went away is not a summarizer failure
-		r.st.Latched, r.st.LatchCount = cfg.LatchGrowth > 0, n
+		r.st.Latched, r.st.LatchCount = cfg.LatchGrowth > 0, r.n
 		r.ev.LatchEngaged = cfg.LatchGrowth > 0
 	}
-	return failed()
-}
-
-// summaryWithheld tells whether the progress guard withholds a summary of
-// p's head up to the tail with the view at cur: the summarizer could make
-// one (on, not latched), the view is within the budget, and the history
-// not yet summarized before the tail is under the guard's amount.
-func (r *run) summaryWithheld(p plan, cur, headStart, budget int) bool {
-	cfg := r.cfg
-	if !cfg.SummarizerEnabled || !r.chain || cur > budget || r.tail <= headStart ||
-		(r.st.Latched && r.n < r.st.LatchCount+cfg.LatchGrowth) {
-		return false
-	}
-	if ps := r.st.Pending; ps != nil && ps.Lead == r.lead && ps.Cut > headStart && ps.Cut < r.n && r.in.Chain[ps.Cut] == ps.Head {
-		return false // a background summary is ready: no call to withhold
-	}
-	fresh := r.est(r.prefixView(p, r.tail)) - r.est(r.prefixView(p, headStart))
-	return fresh < r.progress()
+	return r.fallBack(p, ready, cur)
 }
 
 // summaryShare: a new summary is asked for at most room/summaryShare
@@ -410,11 +330,6 @@ const (
 	summaryShare     = 12
 	summaryShareFrom = 8
 )
-
-// progress is the least history not yet summarized that a new summary
-// must fold (the progress guard): summary_min_tokens, or a quarter of the
-// room when that is more.
-func (r *run) progress() int { return max(r.cfg.SummaryMinTokens, r.room/4) }
 
 // summaryFloorBytes is the least of its text an excerpted summary keeps.
 const summaryFloorBytes = 256
@@ -443,11 +358,11 @@ func (r *run) shrinkSummary(p *plan, cur, budget int) int {
 	}
 	q := *p
 	q.sum = &ns
-	e := r.summaryEst(q)
+	e := r.estimate(q, nil)
 	if e >= cur {
 		return cur
 	}
 	*p = q
-	r.shrunk = true
+	r.done.add(stepShrunk)
 	return e
 }

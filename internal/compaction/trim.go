@@ -17,7 +17,7 @@ func (r *run) trimCandidates(p plan, from, to, limit int) []int {
 	var out []int
 	for i := max(from, r.lead); i < to && i < r.n; i++ {
 		m := &r.msgs[i]
-		if !trimmable(m) || float64(textTokens(m))*r.ratio <= float64(limit) {
+		if !trimmable(m) || float64(localTextTokens(m))*r.ratio <= float64(limit) {
 			continue
 		}
 		if _, done := p.trims[i]; done {

@@ -33,9 +33,9 @@ func isToolRole(role string) bool { return role == "tool" || role == "function" 
 // isSystemRole tells whether a message belongs to the leading instructions.
 func isSystemRole(role string) bool { return role == "system" || role == "developer" }
 
-// textTokens is the local size of a message's text, for the per-message
+// localTextTokens is the local size of a message's text, for the per-message
 // "long tool result" test.
-func textTokens(m *chat.Message) int {
+func localTextTokens(m *chat.Message) int {
 	return (max(m.TextBytes, 0) + bytesPerToken - 1) / bytesPerToken
 }
 
@@ -53,7 +53,7 @@ func trimmable(m *chat.Message) bool {
 // one is near (and always to a rune boundary), joined by a marker saying
 // how many characters were elided. ok is false when the excerpt would not
 // be shorter than text. It is a pure function of (text, keep), so a
-// recorded trim is re-applied byte-identically.
+// stored trim is re-applied byte-identically.
 func excerpt(text string, keep int) (string, bool) {
 	if keep < 16 {
 		keep = 16

@@ -5,7 +5,11 @@
 package purity
 
 import (
+	"go/ast"
+	"go/parser"
+	"go/token"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 )
@@ -13,6 +17,10 @@ import (
 const module = "github.com/compactproxy/compactproxy/"
 
 var pure = []string{"internal/chat", "internal/pairing", "internal/anchor", "internal/compaction", "internal/wire"}
+
+// noContext are the pure packages that decide without a context: a
+// decision takes its clock and its answers as data, and never waits.
+var noContext = map[string]bool{"internal/pairing": true, "internal/anchor": true, "internal/compaction": true}
 
 func TestPureCoreImportsOnlyStdAndSiblings(t *testing.T) {
 	allowed := map[string]bool{}
@@ -31,10 +39,42 @@ func TestPureCoreImportsOnlyStdAndSiblings(t *testing.T) {
 				if dep == "net/http" || dep == "log" || dep == "log/slog" {
 					t.Errorf("%s depends on %s: the pure core does no HTTP or logging", p, dep)
 				}
+				if dep == "context" && noContext[p] {
+					t.Errorf("%s depends on context: the pure core takes its clock and answers as data and never waits", p)
+				}
 				continue
 			}
 			if !allowed[dep] {
-				t.Errorf("%s depends on %s: the pure core may import only the standard library and %v", p, dep, pure)
+				t.Errorf("%s depends on %s: the pure core may import only the standard library and %v (no zap, prometheus, viper)", p, dep, pure)
+			}
+		}
+	}
+}
+
+// The planner's steps each read on their own: no function of
+// internal/compaction (tests aside) is over 80 lines.
+func TestPlannerFunctionsAreShort(t *testing.T) {
+	const limit = 80
+	files, err := filepath.Glob("../../internal/compaction/*.go")
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no files: %v", err)
+	}
+	fs := token.NewFileSet()
+	for _, f := range files {
+		if strings.HasSuffix(f, "_test.go") {
+			continue
+		}
+		file, err := parser.ParseFile(fs, f, nil, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, d := range file.Decls {
+			fd, ok := d.(*ast.FuncDecl)
+			if !ok || fd.Body == nil {
+				continue
+			}
+			if n := fs.Position(fd.End()).Line - fs.Position(fd.Pos()).Line + 1; n > limit {
+				t.Errorf("%s: %s is %d lines (at most %d)", filepath.Base(f), fd.Name.Name, n, limit)
 			}
 		}
 	}

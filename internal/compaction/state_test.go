@@ -2,34 +2,11 @@ package compaction
 
 import (
 	"encoding/json"
-	"os/exec"
-	"strings"
 	"testing"
 	"time"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
 )
-
-// The engine is pure: standard library and the sibling pure packages only.
-func TestPureDependencies(t *testing.T) {
-	out, err := exec.Command("go", "list", "-deps", ".").Output()
-	if err != nil {
-		t.Skipf("go list: %v", err)
-	}
-	allowed := map[string]bool{
-		"github.com/compactproxy/compactproxy/internal/compaction": true,
-		"github.com/compactproxy/compactproxy/internal/chat":       true,
-		"github.com/compactproxy/compactproxy/internal/pairing":    true,
-		"github.com/compactproxy/compactproxy/internal/anchor":     true,
-	}
-	for _, p := range strings.Fields(string(out)) {
-		first := strings.SplitN(p, "/", 2)[0]
-		if !strings.Contains(first, ".") || allowed[p] {
-			continue // standard library
-		}
-		t.Errorf("compaction depends on %s", p)
-	}
-}
 
 // A conversation's state, without the summary text and the trim records,
 // stays within DESIGN's 2 KiB.
