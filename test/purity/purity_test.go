@@ -20,7 +20,7 @@ var pure = []string{"internal/chat", "internal/pairing", "internal/anchor", "int
 
 // noContext are the pure packages that decide without a context: a
 // decision takes its clock and its answers as data, and never waits.
-var noContext = map[string]bool{"internal/pairing": true, "internal/anchor": true, "internal/compaction": true}
+var noContext = map[string]bool{"internal/pairing": true, "internal/anchor": true, "internal/compaction": true, "internal/wire": true}
 
 func TestPureCoreImportsOnlyStdAndSiblings(t *testing.T) {
 	allowed := map[string]bool{}
