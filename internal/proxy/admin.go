@@ -58,7 +58,7 @@ func (s *Server) handlePreview(w http.ResponseWriter, r *http.Request) {
 	var body map[string]json.RawMessage
 	resp.Messages = nil
 	if json.Unmarshal(req.Build(out.Messages, nil), &body) == nil {
-		_ = json.Unmarshal(body[cr.api.HistoryKey()], &resp.Messages)
+		_ = json.Unmarshal(body[cr.api.HistoryKey], &resp.Messages)
 	}
 	cr.info.action = resp.Action
 	w.Header().Set("Content-Type", "application/json")

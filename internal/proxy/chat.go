@@ -94,7 +94,7 @@ func (s *Server) answer(w http.ResponseWriter, r *http.Request, cr *chatRequest,
 		ri.status = 499
 	case errors.As(err, &ue):
 		s.log.Warn("upstream request failed", zap.String("request_id", ri.id),
-			zap.String("upstream", s.apiURLs[api.Dialect()].log), zap.String("error_class", ue.Failure.Code))
+			zap.String("upstream", s.apiURLs[api.Dialect].log), zap.String("error_class", ue.Failure.Code))
 		writeErrorIn(api, w, ue.Failure.Status, "upstream_error", ue.Failure.Code, "", "compactproxy: "+ue.Failure.Text)
 	default:
 		writeErrorIn(api, w, http.StatusInternalServerError, "server_error", "", "", "compactproxy: internal error")
@@ -104,7 +104,7 @@ func (s *Server) answer(w http.ResponseWriter, r *http.Request, cr *chatRequest,
 // chatRequest is one client request on its way through the proxy: data
 // only, filled by the stages in order.
 type chatRequest struct {
-	api wire.API // the API the client speaks (the route)
+	api *wire.API // the API the client speaks (the route)
 	// query is the client's query string, forwarded with the request
 	// (Claude Code's ?beta=true, Azure's ?api-version=).
 	query   string
@@ -184,7 +184,7 @@ func (s *Server) readChat(w http.ResponseWriter, r *http.Request) (*chatRequest,
 		req    *chat.Request
 		reused int
 	)
-	if api.Dialect() == chat.DialectChat {
+	if api.Dialect == chat.DialectChat {
 		ps.key = s.parses.key(ps.tenant, conversationHeader(r, s.cfg.Compaction.ConversationHeaders), pb.buf)
 		ps.from = s.parses.lookup(ps.key, pb.buf)
 		var snap *chat.Snapshot
@@ -199,7 +199,7 @@ func (s *Server) readChat(w http.ResponseWriter, r *http.Request) (*chatRequest,
 		own := bytes.Clone(pb.buf)
 		pb.release()
 		pb = nil
-		req, err = chat.ParseDialect(api.Dialect(), own)
+		req, err = chat.ParseDialect(api.Dialect, own)
 	}
 	if err != nil {
 		pb.release()
@@ -291,10 +291,10 @@ func copyResponseHeaders(dst, src http.Header) {
 }
 
 // usageOption is the field the proxy adds to ask a stream for its usage
-// (the API's wire.API.UsageOption) under upstream.stream_usage: never,
+// (the API's *wire.API.UsageOption) under upstream.stream_usage: never,
 // always, or auto unless the model identity was found not to take it.
 // nil: none.
-func (s *Server) usageOption(api wire.API, req *chat.Request) []chat.Field {
+func (s *Server) usageOption(api *wire.API, req *chat.Request) []chat.Field {
 	f, ok := api.UsageOption(req)
 	if !ok || s.cfg.Upstream.StreamUsage == "never" {
 		return nil

@@ -13,12 +13,12 @@ import (
 // is internal/wire's; parsing and rendering are internal/chat's
 // (ParseDialect, Request.Build). Here: which API a request speaks.
 
-// apiOf is the API of a compacted route (its wire.API.Route), or of a
+// apiOf is the API of a compacted route (its *wire.API.Route), or of a
 // preview.
-func apiOf(r *http.Request) wire.API {
+func apiOf(r *http.Request) *wire.API {
 	p := strings.TrimSuffix(r.URL.Path, "/")
 	for _, api := range wire.APIs {
-		if api.Route() == p {
+		if api.Route == p {
 			return api
 		}
 	}
@@ -31,7 +31,7 @@ func apiOf(r *http.Request) wire.API {
 // previewAPI is the API a preview body is read in: ?dialect= (chat,
 // responses, messages), else Anthropic's version header names Messages,
 // else chat completions.
-func previewAPI(r *http.Request) wire.API {
+func previewAPI(r *http.Request) *wire.API {
 	if api, ok := wire.Named(r.URL.Query().Get("dialect")); ok {
 		return api
 	}

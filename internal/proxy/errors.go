@@ -15,7 +15,7 @@ func writeError(w http.ResponseWriter, status int, typ, code, param, msg string)
 }
 
 // writeErrorIn answers in an API's own error envelope.
-func writeErrorIn(api wire.API, w http.ResponseWriter, status int, typ, code, param, msg string) {
+func writeErrorIn(api *wire.API, w http.ResponseWriter, status int, typ, code, param, msg string) {
 	writeBody(w, status, api.ErrorBody(status, typ, code, param, msg))
 }
 

@@ -89,7 +89,7 @@ func (s *Server) send(ctx context.Context, cr *chatRequest) (*http.Response, err
 // stream_options the proxy injects) is read here, once per send.
 func (s *Server) attempt(cr *chatRequest) upstream.Attempt {
 	body := cr.body()
-	target := s.apiURLs[cr.api.Dialect()].url
+	target := s.apiURLs[cr.api.Dialect].url
 	if cr.query != "" {
 		target += "?" + cr.query
 	}
@@ -161,7 +161,7 @@ func (s *Server) relay(w http.ResponseWriter, r *http.Request, cr *chatRequest, 
 		}
 		f := upstream.Classify(err)
 		s.log.Warn("upstream body read failed", zap.String("request_id", ri.id),
-			zap.String("upstream", s.apiURLs[cr.api.Dialect()].log), zap.String("error_class", f.Code))
+			zap.String("upstream", s.apiURLs[cr.api.Dialect].log), zap.String("error_class", f.Code))
 		writeErrorIn(cr.api, w, http.StatusBadGateway, "upstream_error", f.Code, "", "compactproxy: the upstream answer was cut off ("+f.Text+")")
 		return
 	}
@@ -176,10 +176,10 @@ func (s *Server) relay(w http.ResponseWriter, r *http.Request, cr *chatRequest, 
 // http.ErrAbortHandler, so the client sees an incomplete response rather
 // than a clean end with half an answer (httputil's Issue 23643; CRAFT
 // habit 15). The usage that arrived was already recorded by relayEvents.
-func (s *Server) abortStream(w http.ResponseWriter, ri *reqInfo, api wire.API, f upstream.Failure) {
+func (s *Server) abortStream(w http.ResponseWriter, ri *reqInfo, api *wire.API, f upstream.Failure) {
 	s.metrics.StreamAborts.Inc()
 	s.log.Warn("upstream stream broken off", zap.String("request_id", ri.id),
-		zap.String("upstream", s.apiURLs[api.Dialect()].log), zap.String("error_class", f.Code))
+		zap.String("upstream", s.apiURLs[api.Dialect].log), zap.String("error_class", f.Code))
 	ri.aborted = true
 	if _, err := w.Write(streamErrorEvent(api, f)); err == nil {
 		if fl, ok := w.(http.Flusher); ok {
@@ -191,6 +191,6 @@ func (s *Server) abortStream(w http.ResponseWriter, ri *reqInfo, api wire.API, f
 
 // streamErrorEvent is the SSE event a client gets when the upstream broke
 // off a stream; the abort that follows makes the stream end uncleanly too.
-func streamErrorEvent(api wire.API, f upstream.Failure) []byte {
+func streamErrorEvent(api *wire.API, f upstream.Failure) []byte {
 	return api.StreamError(f.Code, "compactproxy: the upstream broke off the stream ("+f.Text+")")
 }

@@ -83,7 +83,7 @@ func New(cfg config.Config, log *zap.Logger, reg *prometheus.Registry) (*Server,
 	}
 	s.up, s.windows = up, up.Windows
 	for _, api := range wire.APIs {
-		u, l := up.URL(api.UpstreamPath())
+		u, l := up.URL(api.UpstreamPath)
 		s.apiURLs = append(s.apiURLs, apiURL{u, l})
 	}
 	s.auth = &clientAuth{required: cfg.Upstream.APIKey != "", allowAnonymous: cfg.Auth.AllowAnonymous}
@@ -128,7 +128,7 @@ func (s *Server) routes(reg *prometheus.Registry) http.Handler {
 	// (a stored response, count_tokens, /v1/responses/compact) pass
 	// through.
 	for _, api := range wire.APIs {
-		r.Method(http.MethodPost, api.Route(), wrap(api.Dialect().String(), s.handleChat))
+		r.Method(http.MethodPost, api.Route, wrap(api.Dialect.String(), s.handleChat))
 	}
 	r.Method(http.MethodPost, "/v1/compactproxy/preview", wrap("preview", s.handlePreview))
 	r.Method(http.MethodDelete, "/v1/compactproxy/conversations/{id}", wrap("admin", s.handleForget))

@@ -257,7 +257,7 @@ func (s *Server) summaryCall(h http.Header, req *chat.Request) summarizer.Call {
 // model: same model, tools and other top-level fields as the client sent
 // them, so the forwarded prefix and the upstream's prompt cache are shared,
 // with the fields the request's API sets or removes for a summary
-// (wire.API.SummaryFields: no tool call, no streaming, no option that
+// (*wire.API.SummaryFields: no tool call, no streaming, no option that
 // would shape or cut it, the summary's own token limit). A chat request's
 // top-level fields are copied (the messages array is replaced anyway; the
 // body is pooled); a Responses or Messages request's items are its own, so

@@ -559,7 +559,7 @@ func (c *Client) post(ctx context.Context, call *Call, body []byte) (string, err
 	if !ok {
 		api = wire.ChatCompletions
 	}
-	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, c.opt.URL+"/"+api.UpstreamPath(), bytes.NewReader(body))
+	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, c.opt.URL+"/"+api.UpstreamPath, bytes.NewReader(body))
 	if err != nil {
 		return "", fmt.Errorf("summarizer: request: %w", err)
 	}

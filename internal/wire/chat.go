@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
-	"io"
 	"strconv"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
@@ -12,28 +11,18 @@ import (
 	"github.com/compactproxy/compactproxy/internal/pairing"
 )
 
+// ChatCompletions is POST /v1/chat/completions.
+var ChatCompletions = &API{Dialect: chat.DialectChat, Route: "/v1/chat/completions",
+	UpstreamPath: "chat/completions", HistoryKey: "messages", Rules: Chat{}}
+
 // Chat is OpenAI's chat completions (POST /v1/chat/completions), the API
 // llama.cpp, vLLM and most gateways speak: OpenAI's error envelope;
 // streams of data-only events ending with [DONE] or a chunk with a finish
 // reason; usage in a chunk (OpenAI's usage, llama.cpp's timings), asked
 // for with stream_options.include_usage.
-type Chat struct{}
+type Chat struct{ defaults }
 
-// Dialect implements API.
-func (Chat) Dialect() chat.Dialect { return chat.DialectChat }
-
-// Route implements API.
-func (Chat) Route() string { return "/v1/chat/completions" }
-
-// UpstreamPath implements API.
-func (Chat) UpstreamPath() string { return "chat/completions" }
-
-// ErrorBody implements API: OpenAI's envelope.
-func (Chat) ErrorBody(status int, typ, code, param, msg string) []byte {
-	return OpenAIError(typ, code, param, msg)
-}
-
-// StreamError implements API: a data-only chunk carrying OpenAI's error
+// StreamError implements Rules: a data-only chunk carrying OpenAI's error
 // object.
 func (Chat) StreamError(code, msg string) []byte {
 	body, _ := json.Marshal(struct {
@@ -42,23 +31,17 @@ func (Chat) StreamError(code, msg string) []byte {
 	return sseEvent("", body)
 }
 
-// HistoryKey implements API.
-func (Chat) HistoryKey() string { return "messages" }
-
-// PairingParam implements API: messages[N].
+// PairingParam implements Rules: messages[N].
 func (Chat) PairingParam(_ *chat.Request, clientIndex int) string {
 	return fmt.Sprintf("messages[%d]", clientIndex)
 }
 
-// DescribePairing implements API: pairing's own words for messages.
+// DescribePairing implements Rules: pairing's own words for messages.
 func (Chat) DescribePairing(v pairing.Violation, _ string, clientIndex int) string {
 	return v.Describe(clientIndex)
 }
 
-// HistoryUpstream implements API: a chat request carries its history.
-func (Chat) HistoryUpstream(*chat.Request) bool { return false }
-
-// UsageOption implements API: stream_options.include_usage on a stream
+// UsageOption implements Rules: stream_options.include_usage on a stream
 // whose client did not ask for it.
 func (Chat) UsageOption(req *chat.Request) (chat.Field, bool) {
 	if !req.Stream || req.IncludeUsage {
@@ -84,16 +67,13 @@ func streamOptions(req *chat.Request) []byte {
 	return []byte(`{"include_usage":true}`)
 }
 
-// RefusesUsageOption implements API: a 400 or 422 that names
+// RefusesUsageOption implements Rules: a 400 or 422 that names
 // stream_options.
 func (Chat) RefusesUsageOption(status int, body []byte) bool {
 	return (status == 400 || status == 422) && bytes.Contains(body, []byte("stream_options"))
 }
 
-// HoldEarly implements API: a chat stream fails with an error status.
-func (Chat) HoldEarly(body io.ReadCloser) (io.ReadCloser, []byte) { return body, nil }
-
-// SummaryFields implements API: max_completion_tokens for dialect openai,
+// SummaryFields implements Rules: max_completion_tokens for dialect openai,
 // max_tokens otherwise (the other removed); tool_choice "none" when the
 // request has tools.
 func (Chat) SummaryFields(req *chat.Request, maxTokens int, dialect string) []chat.Field {
@@ -127,7 +107,7 @@ var serverOutputFields = []chat.Field{{Key: "n_predict"}, {Key: "ignore_eos"}, {
 	{Key: "grammar"}, {Key: "json_schema"}, {Key: "guided_json"}, {Key: "guided_regex"},
 	{Key: "guided_choice"}, {Key: "guided_grammar"}}
 
-// NewStream implements API.
+// NewStream implements Rules.
 func (Chat) NewStream(hideUsage bool) Stream { return &chatStream{hideUsage: hideUsage} }
 
 // chatStream reads a chat completions stream.

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
-	"io"
 	"strconv"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
@@ -12,28 +11,23 @@ import (
 	"github.com/compactproxy/compactproxy/internal/pairing"
 )
 
+// MessagesAPI is POST /v1/messages.
+var MessagesAPI = &API{Dialect: chat.DialectMessages, Route: "/v1/messages",
+	UpstreamPath: "messages", HistoryKey: "messages", Rules: Messages{}}
+
 // Messages is Anthropic's Messages API (POST /v1/messages; Claude Code):
 // Anthropic's error envelope {"type":"error","error":{"type","message"}};
 // typed events, the input usage in message_start, the output in
 // message_delta, the answer complete at message_stop.
-type Messages struct{}
+type Messages struct{ defaults }
 
-// Dialect implements API.
-func (Messages) Dialect() chat.Dialect { return chat.DialectMessages }
-
-// Route implements API.
-func (Messages) Route() string { return "/v1/messages" }
-
-// UpstreamPath implements API.
-func (Messages) UpstreamPath() string { return "messages" }
-
-// ErrorBody implements API: Anthropic's envelope, its error type from the
+// ErrorBody implements Rules: Anthropic's envelope, its error type from the
 // status (param and code have no place in it).
 func (Messages) ErrorBody(status int, typ, _, _, msg string) []byte {
 	return anthropicError(anthropicErrorType(status, typ), msg)
 }
 
-// StreamError implements API: Anthropic's error event.
+// StreamError implements Rules: Anthropic's error event.
 func (Messages) StreamError(_, msg string) []byte {
 	return sseEvent("error", anthropicError("api_error", msg))
 }
@@ -74,15 +68,7 @@ func anthropicErrorType(status int, typ string) string {
 	return "invalid_request_error"
 }
 
-// HistoryKey implements API.
-func (Messages) HistoryKey() string { return "messages" }
-
-// PairingParam implements API: the message, messages[N] (or system).
-func (Messages) PairingParam(req *chat.Request, clientIndex int) string {
-	return req.Param(clientIndex)
-}
-
-// DescribePairing implements API: tool_use blocks answered by tool_result
+// DescribePairing implements Rules: tool_use blocks answered by tool_result
 // blocks in the next user message.
 func (Messages) DescribePairing(v pairing.Violation, param string, _ int) string {
 	switch v.Kind {
@@ -98,19 +84,7 @@ func (Messages) DescribePairing(v pairing.Violation, param string, _ int) string
 	return fmt.Sprintf("%s: tool use pairing is broken (%s)", param, v.Kind)
 }
 
-// HistoryUpstream implements API: a Messages request carries its history.
-func (Messages) HistoryUpstream(*chat.Request) bool { return false }
-
-// UsageOption implements API: the stream reports its usage unasked.
-func (Messages) UsageOption(*chat.Request) (chat.Field, bool) { return chat.Field{}, false }
-
-// RefusesUsageOption implements API: there is no option to refuse.
-func (Messages) RefusesUsageOption(int, []byte) bool { return false }
-
-// HoldEarly implements API: a Messages stream fails with an error status.
-func (Messages) HoldEarly(body io.ReadCloser) (io.ReadCloser, []byte) { return body, nil }
-
-// SummaryFields implements API: max_tokens, tool_choice none when the
+// SummaryFields implements Rules: max_tokens, tool_choice none when the
 // request has tools, no extended thinking (its budget must stay under
 // max_tokens) and no stop sequences.
 func (Messages) SummaryFields(req *chat.Request, maxTokens int, _ string) []chat.Field {
@@ -123,7 +97,7 @@ func (Messages) SummaryFields(req *chat.Request, maxTokens int, _ string) []chat
 	return set
 }
 
-// NewStream implements API.
+// NewStream implements Rules.
 func (Messages) NewStream(bool) Stream { return &messagesStream{} }
 
 type messagesStream struct {

@@ -13,28 +13,18 @@ import (
 	"github.com/compactproxy/compactproxy/internal/pairing"
 )
 
+// ResponsesAPI is POST /v1/responses.
+var ResponsesAPI = &API{Dialect: chat.DialectResponses, Route: "/v1/responses",
+	UpstreamPath: "responses", HistoryKey: "input", Rules: Responses{}}
+
 // Responses is OpenAI's Responses API (POST /v1/responses; Codex CLI, the
 // Agents SDK): OpenAI's error envelope; typed events, the answer complete
 // at response.completed or response.incomplete, whose response object
 // carries the usage; an overflow may come as response.failed before any
 // output inside a 200; previous_response_id leaves the history upstream.
-type Responses struct{}
+type Responses struct{ defaults }
 
-// Dialect implements API.
-func (Responses) Dialect() chat.Dialect { return chat.DialectResponses }
-
-// Route implements API.
-func (Responses) Route() string { return "/v1/responses" }
-
-// UpstreamPath implements API.
-func (Responses) UpstreamPath() string { return "responses" }
-
-// ErrorBody implements API: OpenAI's envelope.
-func (Responses) ErrorBody(status int, typ, code, param, msg string) []byte {
-	return OpenAIError(typ, code, param, msg)
-}
-
-// StreamError implements API: the Responses stream's own error event.
+// StreamError implements Rules: the Responses stream's own error event.
 func (Responses) StreamError(code, msg string) []byte {
 	body, _ := json.Marshal(struct {
 		Type    string `json:"type"`
@@ -44,15 +34,7 @@ func (Responses) StreamError(code, msg string) []byte {
 	return sseEvent("error", body)
 }
 
-// HistoryKey implements API.
-func (Responses) HistoryKey() string { return "input" }
-
-// PairingParam implements API: the item, input[N] (or instructions).
-func (Responses) PairingParam(req *chat.Request, clientIndex int) string {
-	return req.Param(clientIndex)
-}
-
-// DescribePairing implements API: input items paired by call_id.
+// DescribePairing implements Rules: input items paired by call_id.
 func (Responses) DescribePairing(v pairing.Violation, param string, _ int) string {
 	switch v.Kind {
 	case pairing.OrphanToolResult:
@@ -67,18 +49,12 @@ func (Responses) DescribePairing(v pairing.Violation, param string, _ int) strin
 	return fmt.Sprintf("%s: tool call pairing is broken (%s)", param, v.Kind)
 }
 
-// HistoryUpstream implements API: previous_response_id.
+// HistoryUpstream implements Rules: previous_response_id.
 func (Responses) HistoryUpstream(req *chat.Request) bool {
 	return req.HasField("previous_response_id")
 }
 
-// UsageOption implements API: the stream reports its usage unasked.
-func (Responses) UsageOption(*chat.Request) (chat.Field, bool) { return chat.Field{}, false }
-
-// RefusesUsageOption implements API: there is no option to refuse.
-func (Responses) RefusesUsageOption(int, []byte) bool { return false }
-
-// SummaryFields implements API: max_output_tokens, tool_choice "none"
+// SummaryFields implements Rules: max_output_tokens, tool_choice "none"
 // when the request has tools (Codex's own compaction request sends
 // "tools": [] — no tool_choice for an empty list), no text format,
 // background or previous_response_id.
@@ -99,7 +75,7 @@ func hasTools(req *chat.Request) bool {
 	return req.HasField("tools") && !bytes.Equal(bytes.TrimSpace(req.FieldValue("tools")), []byte("[]"))
 }
 
-// NewStream implements API.
+// NewStream implements Rules.
 func (Responses) NewStream(bool) Stream { return &responsesStream{} }
 
 type responsesStream struct{ done bool }
@@ -130,7 +106,7 @@ func (s *responsesStream) Event(ev []byte) Step {
 // maxEarly bounds what HoldEarly reads before it lets the answer through.
 const maxEarly = 1 << 20
 
-// HoldEarly implements API: it reads the first events, up to the first
+// HoldEarly implements Rules: it reads the first events, up to the first
 // output (the upstream has started answering) or a response.failed event.
 // A response.failed before any output is returned as failure, its error
 // envelope ({"error":{…}}, what overflow recovery reads), with the bytes

@@ -3,8 +3,9 @@
 // and the end of an answer are, the event for a broken stream), an early
 // failure inside a 200 stream, tool pairing in the API's words, the shape
 // of a summarize request built from the client's own, and the upstreams'
-// context-overflow answers. One type per API (Chat, Responses, Messages);
-// adding an API is one more file and one more entry in APIs.
+// context-overflow answers. One file per API, declaring its API value (the
+// facts as data) and its Rules type (Chat, Responses, Messages); adding an
+// API is one more file and its entry in APIs.
 //
 // No HTTP server code: the proxy reads bytes, asks these rules what they
 // mean, and writes. The rules are fuzzed without a server.
@@ -19,23 +20,29 @@ import (
 	"github.com/compactproxy/compactproxy/internal/pairing"
 )
 
-// API is one client-facing API's wire rules.
-type API interface {
+// API is one client-facing API: what its rules state as data, and its
+// Rules.
+type API struct {
 	// Dialect is how internal/chat parses and renders the API's bodies;
 	// its String is the API's name (route label, ?dialect=).
-	Dialect() chat.Dialect
+	Dialect chat.Dialect
 	// Route is the proxy's path for the API's compacted requests;
 	// UpstreamPath where they go under upstream.url.
-	Route() string
-	UpstreamPath() string
+	Route, UpstreamPath string
+	// HistoryKey is the body's array that holds the conversation.
+	HistoryKey string
+	Rules
+}
+
+// Rules are what an API does differently on the wire. An API's type
+// embeds defaults for the rules it shares with most others.
+type Rules interface {
 	// ErrorBody is an error answer in the API's own envelope. param and
 	// code may be "" (left out or null, as the API does).
 	ErrorBody(status int, typ, code, param, msg string) []byte
 	// StreamError is the SSE event that tells a client the upstream broke
 	// off its stream (code: the failure class; msg: a fixed text).
 	StreamError(code, msg string) []byte
-	// HistoryKey is the body's array that holds the conversation.
-	HistoryKey() string
 	// PairingParam names, for an error's param, the client's item at
 	// clientIndex (what a chat.Message's Index says).
 	PairingParam(req *chat.Request, clientIndex int) string
@@ -73,6 +80,35 @@ type API interface {
 	SummaryFields(req *chat.Request, maxTokens int, dialect string) []chat.Field
 }
 
+// defaults are the rules most APIs share, for an API's type to embed:
+// OpenAI's error envelope, internal/chat's name for an item, the history
+// in the body, usage reported unasked, failures as an error status
+// (nothing held).
+type defaults struct{}
+
+// ErrorBody implements Rules: OpenAI's envelope.
+func (defaults) ErrorBody(_ int, typ, code, param, msg string) []byte {
+	return OpenAIError(typ, code, param, msg)
+}
+
+// PairingParam implements Rules: the client's item as internal/chat names
+// it (input[N], messages[N], instructions, system).
+func (defaults) PairingParam(req *chat.Request, clientIndex int) string {
+	return req.Param(clientIndex)
+}
+
+// HistoryUpstream implements Rules: the body carries the history.
+func (defaults) HistoryUpstream(*chat.Request) bool { return false }
+
+// UsageOption implements Rules: the stream reports its usage unasked.
+func (defaults) UsageOption(*chat.Request) (chat.Field, bool) { return chat.Field{}, false }
+
+// RefusesUsageOption implements Rules: there is no option to refuse.
+func (defaults) RefusesUsageOption(int, []byte) bool { return false }
+
+// HoldEarly implements Rules: the API fails with an error status.
+func (defaults) HoldEarly(body io.ReadCloser) (io.ReadCloser, []byte) { return body, nil }
+
 // Stream reads one upstream event stream of an API, event by event.
 type Stream interface {
 	// Event reads one SSE event (its lines, the blank line that ends it
@@ -95,18 +131,13 @@ type Step struct {
 	Complete bool
 }
 
-// The APIs, in chat.Dialect order.
-var (
-	ChatCompletions API = Chat{}
-	ResponsesAPI    API = Responses{}
-	MessagesAPI     API = Messages{}
-	// APIs lists every API, indexed by its chat.Dialect.
-	APIs = []API{ChatCompletions, ResponsesAPI, MessagesAPI}
-)
+// APIs lists every API (each declared in its own file), indexed by its
+// chat.Dialect.
+var APIs = []*API{ChatCompletions, ResponsesAPI, MessagesAPI}
 
-// For returns the rules of dialect d (chat completions for one it does not
+// For returns the API of dialect d (chat completions for one it does not
 // know).
-func For(d chat.Dialect) API {
+func For(d chat.Dialect) *API {
 	if int(d) < len(APIs) {
 		return APIs[d]
 	}
@@ -114,9 +145,9 @@ func For(d chat.Dialect) API {
 }
 
 // Named returns the API called name ("chat", "responses", "messages").
-func Named(name string) (API, bool) {
+func Named(name string) (*API, bool) {
 	for _, a := range APIs {
-		if a.Dialect().String() == name {
+		if a.Dialect.String() == name {
 			return a, true
 		}
 	}

@@ -16,19 +16,19 @@ import (
 func TestAPIsTable(t *testing.T) {
 	routes := map[string]bool{}
 	for i, api := range APIs {
-		if int(api.Dialect()) != i || For(api.Dialect()) != api {
-			t.Errorf("APIs[%d] is %s", i, api.Dialect())
+		if int(api.Dialect) != i || For(api.Dialect) != api {
+			t.Errorf("APIs[%d] is %s", i, api.Dialect)
 		}
-		if got, ok := Named(api.Dialect().String()); !ok || got != api {
-			t.Errorf("Named(%q) = %v, %v", api.Dialect(), got, ok)
+		if got, ok := Named(api.Dialect.String()); !ok || got != api {
+			t.Errorf("Named(%q) = %v, %v", api.Dialect, got, ok)
 		}
-		if routes[api.Route()] {
-			t.Errorf("route %s twice", api.Route())
+		if routes[api.Route] {
+			t.Errorf("route %s twice", api.Route)
 		}
-		routes[api.Route()] = true
+		routes[api.Route] = true
 		var env map[string]json.RawMessage
 		if json.Unmarshal(api.ErrorBody(400, "invalid_request_error", "c", "p", "m"), &env) != nil || env["error"] == nil {
-			t.Errorf("%s: error body is not an error envelope", api.Dialect())
+			t.Errorf("%s: error body is not an error envelope", api.Dialect)
 		}
 	}
 }
@@ -88,12 +88,12 @@ func FuzzEvents(f *testing.F) {
 			if step.Complete {
 				completes++
 			}
-			if api.Dialect() != chat.DialectChat {
+			if api.Dialect != chat.DialectChat {
 				if !bytes.Equal(step.Relay, ev) {
-					t.Fatalf("%s rewrote %q to %q", api.Dialect(), ev, step.Relay)
+					t.Fatalf("%s rewrote %q to %q", api.Dialect, ev, step.Relay)
 				}
 				if step.Complete != step.Report {
-					t.Fatalf("%s: complete %v but report %v at %q", api.Dialect(), step.Complete, step.Report, ev)
+					t.Fatalf("%s: complete %v but report %v at %q", api.Dialect, step.Complete, step.Report, ev)
 				}
 				continue
 			}
@@ -122,8 +122,8 @@ func FuzzEvents(f *testing.F) {
 				}
 			}
 		}
-		if api.Dialect() != chat.DialectChat && completes > 1 {
-			t.Fatalf("%s completed %d times", api.Dialect(), completes)
+		if api.Dialect != chat.DialectChat && completes > 1 {
+			t.Fatalf("%s completed %d times", api.Dialect, completes)
 		}
 	})
 }
