@@ -2,6 +2,7 @@ package anchor
 
 import (
 	"bytes"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"slices"
@@ -318,4 +319,35 @@ func FuzzCanonical(f *testing.F) {
 			t.Fatalf("not idempotent: %q -> %q (%v)", out, again, err)
 		}
 	})
+}
+
+// The Responses and Anthropic prompt-shaping fields change the seed; a
+// request without them keeps the seed it had before they were added, so
+// persisted anchors and summaries keep matching.
+func TestSeedNewerAPIFields(t *testing.T) {
+	tools := []byte(`[{"type":"function","function":{"name":"read","parameters":{"type":"object"}}}]`)
+	base := Seed("llama/qwen3", map[string][]byte{"tools": tools})
+	// d0 of this input as computed before text, reasoning, include and
+	// thinking were prompt fields.
+	const v1 = "e2623422"
+	if got := hex.EncodeToString(base[:4]); got != v1 {
+		t.Errorf("seed without the newer fields is %s..., want %s... (the seed every stored anchor was made with)", got, v1)
+	}
+	seen := map[Digest]string{base: "base"}
+	for name, v := range map[string]string{
+		"text":      `{"format":{"type":"json_schema","name":"r","schema":{"type":"object"}}}`,
+		"reasoning": `{"effort":"high"}`,
+		"include":   `["reasoning.encrypted_content"]`,
+		"thinking":  `{"type":"enabled","budget_tokens":4096}`,
+	} {
+		d := Seed("llama/qwen3", map[string][]byte{"tools": tools, name: []byte(v)})
+		if prev, ok := seen[d]; ok {
+			t.Errorf("%s and %s have the same seed", name, prev)
+		}
+		seen[d] = name
+	}
+	low := Seed("llama/qwen3", map[string][]byte{"reasoning": []byte(`{"effort":"low"}`)})
+	if low == Seed("llama/qwen3", map[string][]byte{"reasoning": []byte(`{"effort":"high"}`)}) {
+		t.Error("two reasoning efforts have the same seed")
+	}
 }

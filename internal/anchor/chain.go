@@ -15,8 +15,24 @@ type Digest [32]byte
 // PromptFields are the top-level request fields that change the prompt the
 // provider renders besides the messages; their canonical values go into the
 // seed d0 of every digest chain, so an anchor never applies to a request
-// whose tools or output format differ.
-var PromptFields = []string{"tools", "functions", "tool_choice", "response_format", "chat_template_kwargs"}
+// whose tools, output format or reasoning setting differ. Chat completions'
+// come first; then the Responses API's text (text.format), reasoning and
+// include, and Anthropic's thinking (tools and tool_choice are shared).
+// Responses instructions and Anthropic system are not here: they are the
+// leading system message, chained like any message (and the compaction
+// records, keyed after the system messages, must survive a system prompt
+// that changes).
+var PromptFields = []string{"tools", "functions", "tool_choice", "response_format", "chat_template_kwargs",
+	"text", "reasoning", "include", "thinking"}
+
+// HistoryFields is how many of the first PromptFields shape how the
+// history itself is rendered (tools, template, output format): the
+// compaction records' seed holds these only, so a summary survives a
+// request that changes its reasoning setting. They are also all the seed
+// hashed before the newer APIs' fields were added: a later field that is
+// absent adds nothing, so a request without them keeps its d0 (and
+// persisted anchors and summaries keep matching).
+const HistoryFields = 5
 
 // seedDomain separates seed hashes from every other SHA-256 input here and
 // versions the scheme: changing the canonical form must change it, so old
@@ -37,9 +53,12 @@ func Seed(modelIdentity string, fields map[string][]byte) Digest {
 	writeLenPrefixed(h, []byte(modelIdentity))
 	c := canonPool.Get().(*canonicalizer)
 	buf := c.buf[:0]
-	for _, name := range PromptFields {
-		writeLenPrefixed(h, []byte(name))
+	for j, name := range PromptFields {
 		v := fields[name]
+		if len(v) == 0 && j >= HistoryFields {
+			continue
+		}
+		writeLenPrefixed(h, []byte(name))
 		if len(v) == 0 {
 			h.Write([]byte{0})
 			continue

@@ -231,12 +231,18 @@ func FuzzParseDialect(f *testing.F) {
 	f.Add(uint8(2), messagesBody)
 	f.Add(uint8(1), `{"input":"x","instructions":null}`)
 	f.Add(uint8(2), `{"system":"s","messages":[{"role":"user","content":[]}]}`)
+	f.Add(uint8(2), string(nestedCacheControl(4800, "cache_control")))
+	f.Add(uint8(1), `{"input":[{"role":"user","content":"\ud800x"}]}`)
 	f.Fuzz(func(t *testing.T, which uint8, body string) {
 		d := DialectResponses
 		if which%2 == 0 {
 			d = DialectMessages
 		}
-		r, err := ParseDialect(d, []byte(body))
+		var (
+			r   *Request
+			err error
+		)
+		checkLinearWork(t, len(body), func() { r, err = ParseDialect(d, []byte(body)) })
 		if err != nil {
 			var pe *ParseError
 			if !errors.As(err, &pe) {
@@ -253,7 +259,8 @@ func FuzzParseDialect(f *testing.F) {
 			views = append(views, edited)
 		}
 		for _, v := range views {
-			out := r.Build(v, nil)
+			var out []byte
+			checkLinearWork(t, len(body), func() { out = r.Build(v, nil) })
 			if !json.Valid(out) {
 				t.Fatalf("invalid JSON rendered: %s", out)
 			}
@@ -273,5 +280,46 @@ func TestParseDialectRejectsWhatIsNotOneObject(t *testing.T) {
 	}
 	if _, err := ParseDialect(DialectResponses, []byte(" {\"input\":\"x\"}\n")); err != nil {
 		t.Errorf("whitespace around the object: %v", err)
+	}
+}
+
+// Pairing repair removes the second of two calls sharing an id (the first
+// is kept): the rendered turn keeps exactly one call item of that id, the
+// first, in both APIs.
+func TestEditedTurnDropsDuplicateCall(t *testing.T) {
+	cases := []struct {
+		name     string
+		d        Dialect
+		body     string
+		turn     int
+		call     string // how a call item starts
+		first    string // a part of the first call only
+		second   string // a part of the second call only
+		wantKept int
+	}{
+		{"responses", DialectResponses, `{"model":"m","input":[{"type":"message","role":"user","content":"ls"},{"type":"reasoning","id":"rs_1","summary":[]},{"type":"function_call","call_id":"c","name":"ls","arguments":"{\"dir\":\"a\"}"},{"type":"function_call","call_id":"c","name":"ls","arguments":"{\"dir\":\"b\"}"},{"type":"function_call_output","call_id":"c","output":"a.txt"}]}`,
+			1, `{"type":"function_call"`, `\"dir\":\"a\"`, `\"dir\":\"b\"`, 1},
+		{"messages", DialectMessages, `{"model":"m","max_tokens":9,"messages":[{"role":"user","content":"ls"},{"role":"assistant","content":[{"type":"thinking","thinking":"hmm","signature":"S"},{"type":"tool_use","id":"t","name":"ls","input":{"dir":"a"}},{"type":"tool_use","id":"t","name":"ls","input":{"dir":"b"}}]},{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":"a.txt"}]}]}`,
+			1, `{"type":"tool_use"`, `"dir":"a"`, `"dir":"b"`, 1},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			r, err := ParseDialect(tc.d, []byte(tc.body))
+			if err != nil {
+				t.Fatal(err)
+			}
+			view := append([]Message(nil), r.Messages...)
+			if len(view[tc.turn].ToolCalls) != 2 {
+				t.Fatalf("turn has %d calls, want 2", len(view[tc.turn].ToolCalls))
+			}
+			view[tc.turn] = DropToolCalls(view[tc.turn], []int{1})
+			body := string(r.Build(view, nil))
+			if n := strings.Count(body, tc.call); n != tc.wantKept || !strings.Contains(body, tc.first) || strings.Contains(body, tc.second) {
+				t.Errorf("%d call items (want %d, the first):\n%s", n, tc.wantKept, body)
+			}
+			if !strings.Contains(body, `"thinking":"hmm"`) && !strings.Contains(body, `"rs_1"`) {
+				t.Errorf("the turn's reasoning was lost:\n%s", body)
+			}
+		})
 	}
 }

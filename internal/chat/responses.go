@@ -235,11 +235,13 @@ func editedItems(d Dialect, u *unit, m, orig *Message) [][]byte {
 // hosted items kept, its calls kept while the chat message still has them,
 // its text items kept when the text is unchanged, else one text item of
 // the new text in place of the first.
+//
+// The turn's call items are orig's tool_calls in order, and m's are what
+// is left of them in order (pairing repair removes a second call that
+// reuses an id, keeping the first): a call item is kept when it is the
+// next of m's, so of two calls sharing an id only the kept one stays.
 func editedTurn(d Dialect, u *unit, m *Message, textChanged bool, text string) [][]byte {
-	keep := map[string]bool{}
-	for _, c := range m.ToolCalls {
-		keep[c.ID] = true
-	}
+	next := 0 // m's next kept call
 	var out [][]byte
 	wroteText := false
 	for _, it := range u.items {
@@ -263,8 +265,14 @@ func editedTurn(d Dialect, u *unit, m *Message, textChanged bool, text string) [
 				id = *v.CallID
 			}
 		}
+		if isCall {
+			if next < len(m.ToolCalls) && m.ToolCalls[next].ID == id {
+				next++
+				out = append(out, it)
+			}
+			continue
+		}
 		switch {
-		case isCall && !keep[id]:
 		case isText && textChanged:
 			if !wroteText && text != "" {
 				wroteText = true

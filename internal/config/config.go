@@ -87,9 +87,11 @@ type Compaction struct {
 	Trim              Trim          `mapstructure:"trim" yaml:"trim"`
 	Summarizer        Summarizer    `mapstructure:"summarizer" yaml:"summarizer"`
 	// ConversationHeaders name a conversation, first match wins (default
-	// X-Compactproxy-Conversation, X-Session-Id, Session-Id, X-Claude-Code-Session-Id); the first is stripped
-	// before forwarding, the others (agents' own) pass unchanged. Empty:
-	// conversations are always derived from their opening messages.
+	// X-Compactproxy-Conversation, X-Session-Id, Session-Id, session_id,
+	// X-Claude-Code-Session-Id); the first is stripped before forwarding,
+	// the others (agents' own) pass unchanged. A name is matched as written
+	// too: Codex's session_id keeps its underscore. Empty: conversations
+	// are always derived from their opening messages.
 	ConversationHeaders []string `mapstructure:"conversation_headers" yaml:"conversation_headers"`
 }
 
@@ -188,7 +190,7 @@ func Default() Config {
 			MinInterval:         60 * time.Second,
 			LatchGrowth:         20,
 			Trim:                Trim{ToolResultTokens: 1024},
-			ConversationHeaders: []string{"X-Compactproxy-Conversation", "X-Session-Id", "Session-Id", "X-Claude-Code-Session-Id"},
+			ConversationHeaders: []string{"X-Compactproxy-Conversation", "X-Session-Id", "Session-Id", "session_id", "X-Claude-Code-Session-Id"},
 			Summarizer: Summarizer{
 				Enabled:       true,
 				MaxTokens:     1024,

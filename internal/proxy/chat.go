@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"errors"
 	"net/http"
-	"strings"
 	"time"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
@@ -154,6 +153,12 @@ type chatRequest struct {
 	respHeaders http.Header
 }
 
+// windowScope is the scope of cr's window: its tenant, model and
+// window-shaping headers (upstream.Scope).
+func (cr *chatRequest) windowScope() upstream.Scope {
+	return upstream.Scope{Tenant: cr.tenant, Model: cr.req.Model, Shape: upstream.WindowShape(cr.headers)}
+}
+
 // release returns the request's body buffer to its pool (the request is
 // over).
 func (cr *chatRequest) release() { cr.pb.release() }
@@ -226,7 +231,7 @@ func (s *Server) readChat(w http.ResponseWriter, r *http.Request) (*chatRequest,
 		req:         req,
 		info:        ci,
 		pb:          pb,
-		headers:     s.upstreamHeaders(r.Header),
+		headers:     s.up.Header(r.Header, s.ownHeaders()...),
 		tenant:      ps.tenant,
 		parsed:      ps,
 		forward:     req.Messages,
@@ -247,47 +252,14 @@ type parsed struct {
 	reused int
 }
 
-// hopHeaders are not forwarded (RFC 9110 § 7.6.1) plus the ones we set.
-var hopHeaders = []string{
-	"Connection", "Proxy-Connection", "Keep-Alive", "Proxy-Authenticate",
-	"Proxy-Authorization", "Te", "Trailer", "Transfer-Encoding", "Upgrade",
-	"Content-Length", "Host",
-	// The transport negotiates compression itself and decodes it, so the
-	// proxy can read SSE events and usage; the client gets identity.
-	"Accept-Encoding",
-	"X-Compactproxy-Conversation", "X-Compactproxy-Bypass",
-}
-
-// upstreamHeaders builds the headers of a request to the upstream from the
-// client's: hop-by-hop and proxy-only headers removed, credentials replaced
-// when upstream.api_key is set.
-func (s *Server) upstreamHeaders(in http.Header) http.Header {
-	h := in.Clone()
-	if c := in.Get("Connection"); c != "" {
-		for _, f := range strings.Split(c, ",") {
-			h.Del(strings.TrimSpace(f))
-		}
-	}
-	for _, k := range hopHeaders {
-		h.Del(k)
-	}
+// ownHeaders are the request headers meant for the proxy alone: its own
+// and the first configured conversation header (DESIGN § Compaction).
+func (s *Server) ownHeaders() []string {
+	own := []string{"X-Compactproxy-Conversation", "X-Compactproxy-Bypass"}
 	if hs := s.cfg.Compaction.ConversationHeaders; len(hs) > 0 {
-		h.Del(hs[0]) // the proxy's own conversation header (DESIGN § Compaction)
+		own = append(own, hs[0])
 	}
-	upstream.SetKey(h, s.cfg.Upstream.APIKey.Reveal(), s.cfg.Upstream.Dialect)
-	return h
-}
-
-// copyResponseHeaders copies the upstream's response headers to the client,
-// without hop-by-hop headers and Content-Length (the body may change).
-func copyResponseHeaders(dst, src http.Header) {
-	for k, vv := range src {
-		switch http.CanonicalHeaderKey(k) {
-		case "Connection", "Keep-Alive", "Transfer-Encoding", "Trailer", "Content-Length", "Upgrade", "Proxy-Connection":
-			continue
-		}
-		dst[k] = append([]string(nil), vv...)
-	}
+	return own
 }
 
 // usageOption is the field the proxy adds to ask a stream for its usage

@@ -70,7 +70,7 @@ func (s *Server) report(cr *chatRequest, cv *conversation, pass compaction.Pass)
 			}
 			s.log.Warn(msg, zap.String("request_id", cr.reqID), zap.String("conversation", cv.id),
 				zap.Int("fixed_tokens", out.Fixed), zap.Int("forwarded_tokens", out.Forwarded),
-				zap.Int("budget", out.Budget), zap.Int("window", s.windows.Get(cr.req.Model)))
+				zap.Int("budget", out.Budget), zap.Int("window", s.windows.GetFor(cr.windowScope())))
 		}
 	}
 	action := string(out.Action)
@@ -94,7 +94,7 @@ func (s *Server) report(cr *chatRequest, cv *conversation, pass compaction.Pass)
 	if !first {
 		return // the overflow retry: counted once, on the first pass
 	}
-	if s.windows.Get(cr.req.Model) == 0 {
+	if s.windows.GetFor(cr.windowScope()) == 0 {
 		s.metrics.UnknownWindow.Inc()
 		if s.windows.WarnOnce(cr.req.Model) {
 			s.log.Warn("context window unknown for model; not compacting", zap.String("model", cr.req.Model))
@@ -126,7 +126,7 @@ func (s *Server) recoverOnce(ctx context.Context, r *http.Request, cr *chatReque
 		return false
 	}
 	status, body := ua.Overflow()
-	info, ok := s.up.LearnOverflow(cr.req.Model, status, body)
+	info, ok := s.up.LearnOverflow(cr.reqID, cr.windowScope(), status, body)
 	if !ok || !cr.compact || s.planner == nil {
 		return false
 	}
@@ -161,7 +161,7 @@ func (s *Server) record(ctx context.Context, r *http.Request, cr *chatRequest, c
 		return
 	}
 	// A prompt the upstream accepted: no learned window goes below it.
-	s.up.Accept(cr.req.Model, u.Input)
+	s.up.Accept(cr.windowScope(), u.Input)
 	s.metrics.UsageInputTokens.WithLabelValues("uncached").Add(float64(u.Uncached))
 	s.metrics.UsageInputTokens.WithLabelValues("cache_read").Add(float64(u.CacheRead))
 	s.metrics.UsageInputTokens.WithLabelValues("cache_write").Add(float64(u.CacheWrite))
@@ -188,7 +188,7 @@ type compactOptions struct {
 func (s *Server) compact(ctx context.Context, r *http.Request, cr *chatRequest, cv *conversation, o compactOptions) (compaction.Output, time.Duration) {
 	reqID := cr.reqID
 	view, model, maxTokens := cr.client, cr.req.Model, cr.req.MaxTokens
-	window := s.windows.Get(model)
+	window := s.windows.GetFor(cr.windowScope())
 	conv, loaded := s.loadConversation(ctx, reqID, cv.key)
 	estimateOnly := func() compaction.Output {
 		e := s.estimator(cv.memo, conv.Anchors, cv.identity)(view)
@@ -221,7 +221,7 @@ func (s *Server) compact(ctx context.Context, r *http.Request, cr *chatRequest, 
 		// is still answered instead of overflowing upstream.
 		out := s.planner.Plan(s.planInput(&run, store.Conversation{}, -1))
 		if o.commit {
-			s.countCompaction(reqID, out)
+			s.countCompaction(reqID, cv.id, out)
 		}
 		return out, 0
 	}
@@ -243,7 +243,7 @@ func (s *Server) compact(ctx context.Context, r *http.Request, cr *chatRequest, 
 		// without the summary now, and store nothing (the summary's save
 		// supersedes it).
 		if o.commit {
-			s.countCompaction(reqID, out)
+			s.countCompaction(reqID, cv.id, out)
 		}
 		return out, time.Since(start)
 	}
@@ -288,7 +288,7 @@ func (s *Server) planInput(run *planRun, conv store.Conversation, li int) compac
 // still the generation this decision started from, unless force (a
 // summarize result); other lineages and the anchors are untouched.
 func (s *Server) commitRun(ctx context.Context, reqID string, run *planRun, conv store.Conversation, li int, out compaction.Output, force bool) {
-	s.countCompaction(reqID, out)
+	s.countCompaction(reqID, run.cv.id, out)
 	if !out.StateChanged {
 		return
 	}

@@ -27,29 +27,37 @@ import (
 // system prompt, which real agents rebuild per request with a date or an
 // environment block (DESIGN § Compaction).
 func conversationID(r *http.Request, headers []string, idSeed anchor.Digest, msgs []chat.Message) string {
-	h := sha256.New()
 	if c := conversationHeader(r, headers); c != "" {
-		h.Write([]byte("header\x00"))
-		h.Write([]byte(c))
-	} else {
-		h.Write([]byte("derived/v2\x00"))
-		h.Write(idSeed[:])
-		for i := range msgs {
-			m := &msgs[i]
-			if isSystemRole(m.Role) {
-				continue
-			}
-			// The first user message; with none in the opening block,
-			// the first message after the system messages.
-			if !m.HasDigest {
-				if d, err := anchor.MessageHash(m.Raw); err == nil {
-					m.Digest, m.HasDigest = d, true
-				}
-			}
-			h.Write(m.Digest[:])
-			break
-		}
+		return headerConversationID(c)
 	}
+	h := sha256.New()
+	h.Write([]byte("derived/v2\x00"))
+	h.Write(idSeed[:])
+	for i := range msgs {
+		m := &msgs[i]
+		if isSystemRole(m.Role) {
+			continue
+		}
+		// The first user message; with none in the opening block,
+		// the first message after the system messages.
+		if !m.HasDigest {
+			if d, err := anchor.MessageHash(m.Raw); err == nil {
+				m.Digest, m.HasDigest = d, true
+			}
+		}
+		h.Write(m.Digest[:])
+		break
+	}
+	return hex.EncodeToString(h.Sum(nil)[:16])
+}
+
+// headerConversationID is the opaque id of the conversation a client's
+// conversation header value names (hashed: a header value never becomes
+// a key).
+func headerConversationID(value string) string {
+	h := sha256.New()
+	h.Write([]byte("header\x00"))
+	h.Write([]byte(value))
 	return hex.EncodeToString(h.Sum(nil)[:16])
 }
 
@@ -88,6 +96,11 @@ func conversationHeader(r *http.Request, headers []string) string {
 		if v := r.Header.Get(name); v != "" {
 			return v
 		}
+		// Codex's session_id: a header map not built by a canonicalizing
+		// reader keeps the spelling as written.
+		if vs := r.Header[name]; len(vs) > 0 && vs[0] != "" {
+			return vs[0]
+		}
 	}
 	return ""
 }
@@ -115,12 +128,35 @@ func (s *Server) seed(req *chat.Request) anchor.Digest {
 	return anchor.Seed(s.modelIdentity(req.Model), fields)
 }
 
+// recordSeed is the seed of the request's compaction records: seed itself
+// unless the request sends a prompt field past anchor.HistoryFields
+// (reasoning, text, include, thinking), which changes what the provider
+// counts but not which history a summary or trim applies to.
+func (s *Server) recordSeed(in *seedInput, seed anchor.Digest) anchor.Digest {
+	var fields map[string][]byte
+	for j := anchor.HistoryFields; j < min(len(anchor.PromptFields), len(in.values)); j++ {
+		if in.values[j] != nil {
+			fields = map[string][]byte{}
+			break
+		}
+	}
+	if fields == nil {
+		return seed
+	}
+	for j, k := range anchor.PromptFields[:anchor.HistoryFields] {
+		if in.values[j] != nil {
+			fields[k] = in.values[j]
+		}
+	}
+	return anchor.Seed(s.modelIdentity(in.model), fields)
+}
+
 // seedInput is what a request's seed is computed from: the model and the
 // raw values of anchor.PromptFields (the last occurrence of each, nil when
 // absent), as seed reads them.
 type seedInput struct {
 	model  string
-	values [8][]byte
+	values [12][]byte
 }
 
 func seedInputOf(req *chat.Request) seedInput {
@@ -348,6 +384,8 @@ func sameIdents(ident []rawIdent, view []chat.Message) bool {
 type conversation struct {
 	id, key, identity string
 	memo              *chainMemo
+	// recordSeed starts the records' chain (recordChain); zero: memo's seed.
+	recordSeed anchor.Digest
 }
 
 // openConversation hashes the view's messages (cached per tenant) and
@@ -365,10 +403,11 @@ func (s *Server) openConversation(r *http.Request, cr *chatRequest) *conversatio
 		memo.known = append(memo.known, e.chain.prefix(n, cr.req.Messages))
 	}
 	return &conversation{
-		id:       id,
-		key:      storeKey(cr.tenant, id),
-		identity: s.modelIdentity(cr.req.Model),
-		memo:     memo,
+		id:         id,
+		key:        storeKey(cr.tenant, id),
+		identity:   s.modelIdentity(cr.req.Model),
+		memo:       memo,
+		recordSeed: s.recordSeed(&cr.seedIn, memo.seed),
 	}
 }
 
@@ -380,7 +419,11 @@ func (cv *conversation) recordChain(view []chat.Message) ([]anchor.Digest, error
 	if err != nil {
 		return nil, err
 	}
-	return compaction.RecordChain(cv.memo.seed, k.digests, compaction.LeadingSystem(view)), nil
+	seed := cv.recordSeed
+	if seed == (anchor.Digest{}) {
+		seed = cv.memo.seed
+	}
+	return compaction.RecordChain(seed, k.digests, compaction.LeadingSystem(view)), nil
 }
 
 // rememberParse keeps this request's parsed messages, digests and chain
@@ -493,8 +536,10 @@ func sameView(a, b []chat.Message) bool {
 	return true
 }
 
-// countCompaction turns the planner's events into metrics and one log line.
-func (s *Server) countCompaction(reqID string, out compaction.Output) {
+// countCompaction turns the planner's events into metrics and one log line:
+// the conversation, the action, the cut and the estimated sizes before
+// (context_tokens) and after (forwarded_tokens), never content.
+func (s *Server) countCompaction(reqID, conversation string, out compaction.Output) {
 	ev := out.Events
 	for _, a := range ev.NewActions {
 		s.metrics.Compactions.WithLabelValues(string(a)).Inc()
@@ -516,7 +561,8 @@ func (s *Server) countCompaction(reqID string, out compaction.Output) {
 		s.metrics.InvariantFailures.Inc()
 	}
 	if len(ev.NewActions) > 0 || ev.SummarizeCalled || ev.InvariantFailure {
-		fields := []zap.Field{zap.String("request_id", reqID), zap.String("action", string(out.Action)),
+		fields := []zap.Field{zap.String("request_id", reqID), zap.String("conversation", conversation),
+			zap.String("action", string(out.Action)), zap.Int("cut", stateCut(out.State)), zap.Int("trims", len(out.State.Trims)),
 			zap.Int("context_tokens", out.Context.Tokens), zap.Int("forwarded_tokens", out.Forwarded),
 			zap.Int("budget", out.Budget)}
 		if len(ev.NewActions) > 0 {

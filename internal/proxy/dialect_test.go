@@ -54,10 +54,13 @@ func newDialectUpstream(t *testing.T, window int) *dialectUpstream {
 				u.overflows.Add(1)
 				if req.Stream && u.failInStream {
 					w.Header().Set("Content-Type", "text/event-stream")
-					io.WriteString(w, "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"r\",\"status\":\"in_progress\"}}\n\n")
+					// Full-size events, as OpenAI sends them: each carries
+					// the response object with the request's instructions
+					// and tools (20+ KB for Codex).
+					io.WriteString(w, "event: response.created\ndata: {\"type\":\"response.created\",\"response\":"+fullResponse("in_progress", "null")+"}\n\n")
 					// Members in sorted order, as an encoder that sorts keys
 					// writes them: "type" last.
-					fmt.Fprintf(w, "event: response.failed\ndata: {\"response\":{\"error\":{\"code\":\"context_length_exceeded\",\"message\":\"This model's maximum context length is %d tokens. However, your messages resulted in %d tokens.\"},\"id\":\"r\",\"status\":\"failed\"},\"sequence_number\":1,\"type\":\"response.failed\"}\n\n", u.window, tokens)
+					fmt.Fprintf(w, "event: response.failed\ndata: {\"response\":{\"error\":{\"code\":\"context_length_exceeded\",\"message\":\"This model's maximum context length is %d tokens. However, your messages resulted in %d tokens.\"},\"id\":\"r\",\"instructions\":%q,\"status\":\"failed\"},\"sequence_number\":1,\"type\":\"response.failed\"}\n\n", u.window, tokens, strings.Repeat("You are a coding agent. ", 1000))
 					return
 				}
 				w.WriteHeader(400)

@@ -105,7 +105,7 @@ func (s *Server) attempt(cr *chatRequest) upstream.Attempt {
 func (s *Server) writeHeaders(w http.ResponseWriter, cr *chatRequest, up http.Header) {
 	h := w.Header()
 	own := h.Get("X-Request-Id")
-	copyResponseHeaders(h, up)
+	upstream.CopyResponseHeader(h, up)
 	keepRequestID(h, own)
 	for k, vv := range cr.respHeaders {
 		h[k] = vv

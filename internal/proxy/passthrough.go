@@ -34,10 +34,8 @@ func (s *Server) passthrough() *httputil.ReverseProxy {
 			pr.Out.Host = ""
 			// As on chat: the proxy's own headers and the first configured
 			// conversation header stop here; agents' own ones pass.
-			pr.Out.Header.Del("X-Compactproxy-Conversation")
-			pr.Out.Header.Del("X-Compactproxy-Bypass")
-			if hs := s.cfg.Compaction.ConversationHeaders; len(hs) > 0 {
-				pr.Out.Header.Del(hs[0])
+			for _, k := range s.ownHeaders() {
+				pr.Out.Header.Del(k)
 			}
 			if key := s.cfg.Upstream.APIKey.Reveal(); key != "" {
 				pr.Out.Header.Del("X-Api-Key")

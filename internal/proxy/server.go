@@ -96,10 +96,7 @@ func New(cfg config.Config, log *zap.Logger, reg *prometheus.Registry) (*Server,
 		_, _ = rand.Read(s.tenantSecret)
 	}
 	s.ready = &readiness{probe: up.Probe}
-	s.upstreamName = cfg.Upstream.Name
-	if s.upstreamName == "" {
-		s.upstreamName = up.Target.Base.Host
-	}
+	s.upstreamName = up.Name
 	if s.store, err = openStore(cfg.Store); err != nil {
 		return nil, err
 	}
@@ -131,7 +128,11 @@ func (s *Server) routes(reg *prometheus.Registry) http.Handler {
 		r.Method(http.MethodPost, api.Route, wrap(api.Dialect.String(), s.handleChat))
 	}
 	r.Method(http.MethodPost, "/v1/compactproxy/preview", wrap("preview", s.handlePreview))
+	r.Method(http.MethodGet, "/v1/compactproxy/conversations/{id}", wrap("admin", s.handleConversation))
 	r.Method(http.MethodDelete, "/v1/compactproxy/conversations/{id}", wrap("admin", s.handleForget))
+	// Every other path under /v1/compactproxy/ is the proxy's own too.
+	r.Handle("/v1/compactproxy", wrap("admin", handleOwnPath))
+	r.Handle("/v1/compactproxy/*", wrap("admin", handleOwnPath))
 	r.Method(http.MethodGet, "/healthz", wrap("health", s.handleHealthz))
 	r.Method(http.MethodGet, "/readyz", wrap("health", s.handleReadyz))
 	r.Method(http.MethodGet, "/metrics", wrap("metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}).ServeHTTP))

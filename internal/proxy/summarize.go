@@ -16,6 +16,7 @@ import (
 	"github.com/compactproxy/compactproxy/internal/compaction"
 	"github.com/compactproxy/compactproxy/internal/store"
 	"github.com/compactproxy/compactproxy/internal/summarizer"
+	"github.com/compactproxy/compactproxy/internal/upstream"
 	"github.com/compactproxy/compactproxy/internal/wire"
 )
 
@@ -219,7 +220,9 @@ func (s *Server) summaryCall(h http.Header, req *chat.Request) summarizer.Call {
 		sumModel = req.Model
 	}
 	if s.summarizerIsUpstream {
-		call.Window = s.windows.Get(sumModel)
+		// The window the client would get for that model (its tenant's
+		// learned window included).
+		call.Window = s.windows.GetFor(upstream.Scope{Tenant: tenantOf(s.tenantSecret, h), Model: sumModel, Shape: upstream.WindowShape(h)})
 		fit := s.calibration.Fit(s.modelIdentity(sumModel))
 		call.Count = func(text string) int { return textTokens(fit, len(text)) }
 	} else {
@@ -324,7 +327,7 @@ func (s *Server) newSummaryJob(r *http.Request, cr *chatRequest, run *planRun) *
 	own.view = detachMessages(run.view, cr.req)
 	own.chain = slices.Clone(run.chain)
 	own.cv = &conversation{id: run.cv.id, key: run.cv.key, identity: run.cv.identity,
-		memo: &chainMemo{s: s, seed: run.cv.memo.seed}}
+		memo: &chainMemo{s: s, seed: run.cv.memo.seed}, recordSeed: run.cv.recordSeed}
 	return &summaryJob{reqID: cr.reqID, run: own, call: s.summaryCall(r.Header, cr.req)}
 }
 
@@ -435,7 +438,7 @@ func (s *Server) makeSummary(ctx context.Context, name string, fl *flight, job *
 // own copy of the messages; when a summarize of the lineage is running
 // already, nothing more is done.
 func (s *Server) presummarize(ctx context.Context, r *http.Request, cr *chatRequest, cv *conversation) {
-	window := s.windows.Get(cr.req.Model)
+	window := s.windows.GetFor(cr.windowScope())
 	if window == 0 || s.planner == nil {
 		return
 	}

@@ -24,6 +24,9 @@ type Client struct {
 	// NoStreamOptions: model identities whose upstream rejected
 	// stream_options (upstream.stream_usage auto), for discovery_interval.
 	NoStreamOptions *StreamOptions
+	// Name is how metrics and logs name the upstream: upstream.name, else
+	// the URL's host.
+	Name string
 
 	cfg config.Upstream
 	log *zap.Logger
@@ -44,7 +47,12 @@ func New(cfg config.Upstream, retry config.Retry, models []config.Model, log *za
 		table[m.Name] = m.ContextWindow
 	}
 	tr := NewTransport()
+	name := cfg.Name
+	if name == "" {
+		name = t.Base.Host
+	}
 	return &Client{
+		Name:            name,
 		Target:          t,
 		Transport:       tr,
 		Retrier:         &Retrier{Policy: retry, RT: tr, OnRetry: onRetry},
@@ -63,31 +71,39 @@ func (c *Client) URL(path string) (url, logURL string) {
 }
 
 // LearnOverflow recognizes the upstream's context-overflow answer to a
-// request for model (in upstream.dialect's words) and learns the n_ctx it
-// reports. An overflow without sizes (OpenAI's "Your input exceeds the
-// context window of this model") still proves the forwarded input is over
-// the window: its prompt is the window plus one token, so recovery
-// compacts below it instead of rebuilding the same view.
-func (c *Client) LearnOverflow(model string, status int, body []byte) (wire.Overflow, bool) {
+// request in scope sc (in upstream.dialect's words) and learns the n_ctx
+// it reports for that scope, logging (under reqID) a window it lowered. An
+// overflow without sizes (OpenAI's "Your input exceeds the context window
+// of this model") still proves the forwarded input is over the window: its
+// prompt is the window plus one token, so recovery compacts below it
+// instead of rebuilding the same view.
+func (c *Client) LearnOverflow(reqID string, sc Scope, status int, body []byte) (wire.Overflow, bool) {
 	info, ok := wire.RecognizeOverflow(c.cfg.Dialect, status, body)
 	if !ok {
 		return info, false
 	}
 	if info.NCtx > 0 {
-		c.Windows.Learn(model, info.NCtx, c.cfg.DiscoveryInterval)
+		old := c.Windows.GetFor(sc)
+		if c.Windows.Learn(sc, info.NCtx, c.cfg.DiscoveryInterval) && (old == 0 || info.NCtx < old) {
+			// Model identity and sizes only: the tenant is a keyed hash,
+			// and never logged.
+			c.log.Info("context window lowered by an overflow answer", zap.String("request_id", reqID),
+				zap.String("upstream", c.Name), zap.String("model", sc.Model),
+				zap.Int("old_window", old), zap.Int("new_window", info.NCtx), zap.Duration("for", c.cfg.DiscoveryInterval))
+		}
 	}
 	if info.Prompt == 0 {
-		if w := c.Windows.Get(model); w > 0 {
+		if w := c.Windows.GetFor(sc); w > 0 {
 			info.Prompt = w + 1
 		}
 	}
 	return info, true
 }
 
-// Accept records a prompt of input tokens the upstream accepted for model:
-// no learned window goes below it.
-func (c *Client) Accept(model string, input int) {
-	c.Windows.Accept(model, input, c.cfg.DiscoveryInterval)
+// Accept records a prompt of input tokens the upstream accepted in scope
+// sc: no learned window in that scope goes below it.
+func (c *Client) Accept(sc Scope, input int) {
+	c.Windows.Accept(sc, input, c.cfg.DiscoveryInterval)
 }
 
 // Discover reads the upstream's window: llama.cpp /props and the

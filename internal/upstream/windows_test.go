@@ -37,8 +37,8 @@ func TestLearnedWindowBounds(t *testing.T) {
 			now := time.Unix(1_000_000, 0)
 			w := NewWindows(nil, tc.configured)
 			w.now = func() time.Time { return now }
-			w.Accept("m", tc.accepted, ttl)
-			w.Learn("m", tc.learn, ttl)
+			w.Accept(Scope{Model: "m"}, tc.accepted, ttl)
+			w.Learn(Scope{Model: "m"}, tc.learn, ttl)
 			now = now.Add(tc.after)
 			if got := w.Get("m"); got != tc.want {
 				t.Errorf("window %d, want %d", got, tc.want)
@@ -53,10 +53,42 @@ func TestLearnedWindowBounds(t *testing.T) {
 // A prompt accepted above a learned n_ctx disproves it.
 func TestAcceptedPromptDropsLearnedWindow(t *testing.T) {
 	w := NewWindows(nil, 8000)
-	w.Learn("m", 3000, time.Minute)
-	w.Accept("m", 3500, time.Minute)
+	w.Learn(Scope{Model: "m"}, 3000, time.Minute)
+	w.Accept(Scope{Model: "m"}, 3500, time.Minute)
 	if got := w.Get("m"); got != 8000 {
 		t.Errorf("window %d after the upstream accepted 3500, want 8000", got)
+	}
+}
+
+// A learned window and the accepted prompts that bound it are per tenant,
+// model and window-shaping headers: tenant A's prompt accepted under
+// Anthropic's 1M beta does not stop tenant B's 200k from being learned,
+// and what B learned lowers only B's window (DESIGN § Window).
+func TestLearnedWindowScope(t *testing.T) {
+	const ttl = time.Minute
+	beta := http.Header{"Anthropic-Beta": {"interleaved-thinking-2025-05-14, context-1m-2025-08-07"}}
+	a1m := Scope{Tenant: "a", Model: "claude", Shape: WindowShape(beta)}
+	a := Scope{Tenant: "a", Model: "claude"}
+	b := Scope{Tenant: "b", Model: "claude", Shape: WindowShape(http.Header{"Anthropic-Beta": {"fine-grained-tool-streaming-2025-05-14"}})}
+	if a1m.Shape != "context-1m-2025-08-07" || b.Shape != "" {
+		t.Fatalf("window shapes %q and %q, want the context beta alone and none", a1m.Shape, b.Shape)
+	}
+	w := NewWindows(nil, 1_000_000)
+	w.Accept(a1m, 600_000, ttl)
+	if !w.Learn(b, 200_000, ttl) {
+		t.Fatal("tenant B's own overflow was refused because of tenant A's accepted prompt")
+	}
+	for _, c := range []struct {
+		sc   Scope
+		want int
+	}{{b, 200_000}, {a1m, 1_000_000}, {a, 1_000_000}, {Scope{Tenant: "b", Model: "other"}, 1_000_000}} {
+		if got := w.GetFor(c.sc); got != c.want {
+			t.Errorf("window in %+v: %d, want %d", c.sc, got, c.want)
+		}
+	}
+	// Within one scope the accepted prompt still bounds what is learned.
+	if w.Learn(a1m, 200_000, ttl) || w.GetFor(a1m) != 1_000_000 {
+		t.Error("a window below a prompt accepted in the same scope was learned")
 	}
 }
 

@@ -18,7 +18,7 @@ var MessagesAPI = &API{Dialect: chat.DialectMessages, Route: "/v1/messages",
 // Messages is Anthropic's Messages API (POST /v1/messages; Claude Code):
 // Anthropic's error envelope {"type":"error","error":{"type","message"}};
 // typed events, the input usage in message_start, the output in
-// message_delta, the answer complete at message_stop.
+// message_delta, the stream complete at message_stop or an error event.
 type Messages struct{ defaults }
 
 // ErrorBody implements Rules: Anthropic's envelope, its error type from the
@@ -107,15 +107,18 @@ type messagesStream struct {
 	done  bool
 }
 
-// Event implements Stream.
+// Event implements Stream: the stream ends cleanly at message_stop or at
+// the upstream's own error event (relayed as it came).
 func (s *messagesStream) Event(ev []byte) Step {
 	st := Step{Relay: ev}
 	data := EventData(ev)
 	if len(data) > 0 && bytes.Contains(data, usageKey) {
 		st.Usage, st.HasUsage = s.usage(data)
 	}
-	if !s.done && bytes.Contains(data, []byte(`message_stop"`)) && eventType(data) == "message_stop" {
-		s.done, st.Complete, st.Report = true, true, true
+	if !s.done && (bytes.Contains(data, []byte(`message_stop"`)) || bytes.Contains(data, []byte(`"error"`))) {
+		if t := eventType(data); t == "message_stop" || t == "error" {
+			s.done, st.Complete, st.Report = true, true, true
+		}
 	}
 	return st
 }

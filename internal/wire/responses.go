@@ -18,9 +18,9 @@ var ResponsesAPI = &API{Dialect: chat.DialectResponses, Route: "/v1/responses",
 	UpstreamPath: "responses", HistoryKey: "input", Rules: Responses{}}
 
 // Responses is OpenAI's Responses API (POST /v1/responses; Codex CLI, the
-// Agents SDK): OpenAI's error envelope; typed events, the answer complete
+// Agents SDK): OpenAI's error envelope; typed events, the stream complete
 // at response.completed or response.incomplete, whose response object
-// carries the usage; an overflow may come as response.failed before any
+// carries the usage, or at a terminal error event; an overflow may come as response.failed before any
 // output inside a 200; previous_response_id leaves the history upstream.
 type Responses struct{ defaults }
 
@@ -82,8 +82,11 @@ type responsesStream struct{ done bool }
 
 // Event implements Stream: response.completed, response.incomplete and
 // response.failed carry the response object, its usage inside; the
-// answer is complete at response.completed or response.incomplete. Only
-// an event that names one of those is decoded (never a text delta).
+// stream ends cleanly at response.completed or response.incomplete, or at
+// the upstream's own terminal error event (response.failed, error), which
+// the client gets as it came: the stream was not broken off, it ended in
+// an error the upstream reported. Only an event that names one of those is
+// decoded (never a text delta).
 func (s *responsesStream) Event(ev []byte) Step {
 	st := Step{Relay: ev}
 	data := EventData(ev)
@@ -95,63 +98,78 @@ func (s *responsesStream) Event(ev []byte) Step {
 			st.Usage, st.HasUsage = anchor.UsageFromJSON(e.Response)
 		}
 	}
-	if !s.done && (bytes.Contains(data, []byte(`response.completed"`)) || bytes.Contains(data, []byte(`response.incomplete"`))) {
-		if t := eventType(data); t == "response.completed" || t == "response.incomplete" {
+	if !s.done && (bytes.Contains(data, []byte(`response.completed"`)) || bytes.Contains(data, []byte(`response.incomplete"`)) ||
+		bytes.Contains(data, []byte(`response.failed"`)) || bytes.Contains(data, []byte(`"error"`))) {
+		switch eventType(data) {
+		case "response.completed", "response.incomplete", "response.failed", "error":
 			s.done, st.Complete, st.Report = true, true, true
 		}
 	}
 	return st
 }
 
-// maxEarly bounds what HoldEarly reads before it lets the answer through.
-const maxEarly = 1 << 20
+// MaxEarlyHold bounds the bytes HoldEarly holds before it lets the stream
+// through: far above a real response.created (tens of KB), low enough
+// that an endless first line pins little memory.
+const MaxEarlyHold = 4 << 20
+
+// maxFailure bounds what is read of a stream after its early failure.
+const maxFailure = 1 << 20
+
+// earlyReaderSize is the reader's buffer; a longer line is held in parts.
+const earlyReaderSize = 16 << 10
 
 // HoldEarly implements Rules: it reads the first events, up to the first
 // output (the upstream has started answering) or a response.failed event.
 // A response.failed before any output is returned as failure, its error
 // envelope ({"error":{…}}, what overflow recovery reads), with the bytes
-// read and the rest of the body (up to maxEarly) as replay; otherwise
+// read and the rest of the body (up to maxFailure) as replay; otherwise
 // replay gives the events read, then the rest. A Responses upstream
 // reports a context overflow either as a 400 or this way (DESIGN § Other
 // APIs): holding these first events lets recovery retry before the client
 // has seen a byte.
 func (Responses) HoldEarly(body io.ReadCloser) (io.ReadCloser, []byte) {
-	br := bufio.NewReaderSize(body, 4096)
+	br := bufio.NewReaderSize(body, earlyReaderSize)
 	var read []byte
-	var ev []byte
-	for len(read) < maxEarly {
+	evStart := 0     // where the event being read starts in read
+	partial := false // the last ReadSlice ended mid-line
+hold:
+	for len(read) < MaxEarlyHold {
+		// response.created and response.in_progress carry the whole
+		// response object (Codex's instructions and tools: ~20 KB), so
+		// a line is held whatever its length, up to MaxEarlyHold in all.
 		line, err := br.ReadSlice('\n')
-		if err == bufio.ErrBufferFull {
-			// A long line: the answer has begun (no failure event is this
-			// long).
-			read = append(read, line...)
-			break
-		}
 		read = append(read, line...)
-		ev = append(ev, line...)
-		if IsBlank(line) || err != nil {
-			data := EventData(ev)
-			ev = ev[:0]
-			switch t := eventType(data); {
-			case t == "response.failed":
-				var f struct {
-					Response struct {
-						Error json.RawMessage `json:"error"`
-					} `json:"response"`
-				}
-				if json.Unmarshal(data, &f) == nil && len(f.Response.Error) > 0 && string(f.Response.Error) != "null" {
-					rest, _ := io.ReadAll(io.LimitReader(br, maxEarly))
-					body.Close()
-					env := append(append([]byte(`{"error":`), f.Response.Error...), '}')
-					return io.NopCloser(bytes.NewReader(append(read, rest...))), env
-				}
-			case t == "" && len(data) == 0:
-			case t != "response.created" && t != "response.in_progress" && t != "response.queued":
-				err = io.EOF // the answer has begun: stop holding
+		if err == bufio.ErrBufferFull {
+			partial = true
+			continue
+		}
+		blank := !partial && IsBlank(line)
+		partial = false
+		if !blank && err == nil {
+			continue
+		}
+		data := EventData(read[evStart:])
+		evStart = len(read)
+		switch t := eventType(data); {
+		case t == "response.failed":
+			var f struct {
+				Response struct {
+					Error json.RawMessage `json:"error"`
+				} `json:"response"`
 			}
-			if err != nil {
-				break
+			if json.Unmarshal(data, &f) == nil && len(f.Response.Error) > 0 && string(f.Response.Error) != "null" {
+				rest, _ := io.ReadAll(io.LimitReader(br, maxFailure))
+				body.Close()
+				env := append(append([]byte(`{"error":`), f.Response.Error...), '}')
+				return io.NopCloser(bytes.NewReader(append(read, rest...))), env
 			}
+		case t == "" && len(data) == 0:
+		case t != "response.created" && t != "response.in_progress" && t != "response.queued":
+			break hold // the answer has begun: stop holding
+		}
+		if err != nil {
+			break
 		}
 	}
 	return readCloser{io.MultiReader(bytes.NewReader(read), br), body}, nil
