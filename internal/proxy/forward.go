@@ -49,7 +49,7 @@ func (s *Server) send(ctx context.Context, cr *chatRequest) (*http.Response, err
 				// the client's own bad stream_options: send the request
 				// again as the client wrote it, and learn only if that
 				// succeeds (below).
-				s.metrics.UpstreamRetries.WithLabelValues("chat", "stream_options").Inc()
+				s.metrics.UpstreamRetries.WithLabelValues(cr.api.Dialect.String(), "stream_options").Inc()
 				cr.inject = nil
 				streamOptionsResend = true
 				continue
@@ -94,7 +94,7 @@ func (s *Server) attempt(cr *chatRequest) upstream.Attempt {
 		target += "?" + cr.query
 	}
 	return upstream.Attempt{
-		Op:     "chat",
+		Op:     cr.api.Dialect.String(), // retries are counted under the route served
 		URL:    target,
 		Header: cr.headers,
 		Body:   func() io.ReadCloser { return cr.pb.reader(body) },

@@ -189,7 +189,8 @@ const MaxErrorBody = 1 << 20
 // recovery's resend): what changes between sends is in this value, never
 // in state the sender keeps.
 type Attempt struct {
-	// Op labels the retries ("chat", "summarize").
+	// Op labels the retries: the route served (chat, responses,
+	// messages) or summarize.
 	Op     string
 	URL    string
 	Header http.Header
