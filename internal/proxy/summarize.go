@@ -181,7 +181,7 @@ func (s *Server) newSummarizer() *summarizer.Client {
 	// An overflow answer is read in the upstream's dialect when the
 	// summarizer is the upstream, else in any dialect compactproxy knows.
 	overflow := "auto"
-	if s.summarizerIsUpstream {
+	if s.summarizerIsUpstream && s.cfg.Upstream.Dialect != "" {
 		overflow = s.cfg.Upstream.Dialect
 	}
 	return summarizer.New(s.up.Retrier.Transport("summarize"), summarizer.Options{

@@ -65,6 +65,7 @@ type Error struct {
 	Err     error
 }
 
+// Error is the class's fixed text, never the transport's error string.
 func (e *Error) Error() string { return e.Failure.Text }
 
 // Unwrap returns the transport's error.
@@ -83,6 +84,7 @@ type Answer struct {
 	Failure []byte
 }
 
+// Error names the status only (the body may quote the request).
 func (e *Answer) Error() string { return "upstream answered " + http.StatusText(e.Status) }
 
 // Overflow is the status and body an overflow recognizer reads: the error

@@ -161,6 +161,8 @@ type retryTransport struct {
 	op string
 }
 
+// RoundTrip sends req under the policy, replaying its body (GetBody) on
+// each retry.
 func (t retryTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	first := true
 	return t.r.Do(req.Context(), t.op, func() (*http.Request, error) {
