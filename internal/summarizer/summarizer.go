@@ -3,10 +3,12 @@
 // that an agent can continue from. It answers the summary a compaction decision asks for
 // (compaction.SummaryRequest).
 //
-// The request is encoded with go-openai's types (a request compactproxy
-// builds itself; client requests are never re-encoded with them). Retries
-// are the transport's business (the proxy passes one with its retry policy
-// under op="summarize"); this package applies Options.Timeout per call.
+// The request and the answer's text are in the shape of the API the call
+// speaks (internal/wire's SummaryRequest and SummaryText: chat
+// completions unless the call names another); client requests are never
+// re-encoded. Retries are the transport's business (the proxy passes one
+// with its retry policy under op="summarize"); this package applies
+// Options.Timeout per call.
 package summarizer
 
 import (
@@ -516,35 +518,20 @@ func requestTokens(count Counter, prompt, previous, transcript string) int {
 func (c *Client) call(ctx context.Context, call *Call, model, previous, transcript string, maxTokens int, prompt string) (string, error) {
 	user := userText(previous, transcript)
 
-	var body []byte
-	var err error
-	switch call.Dialect {
-	case "responses":
-		body, err = json.Marshal(map[string]any{"model": model, "instructions": prompt, "store": false,
-			"input":             []map[string]any{{"type": "message", "role": "user", "content": user}},
-			"max_output_tokens": maxTokens})
-	case "messages":
-		body, err = json.Marshal(map[string]any{"model": model, "system": prompt, "max_tokens": maxTokens,
-			"messages": []map[string]any{{"role": "user", "content": user}}})
-	default:
-		req := openai.ChatCompletionRequest{
-			Model: model,
-			Messages: []openai.ChatCompletionMessage{
-				{Role: openai.ChatMessageRoleSystem, Content: prompt},
-				{Role: openai.ChatMessageRoleUser, Content: user},
-			},
-		}
-		if c.opt.Dialect == "openai" {
-			req.MaxCompletionTokens = maxTokens
-		} else {
-			req.MaxTokens = maxTokens
-		}
-		body, err = json.Marshal(req)
-	}
+	body, err := c.api(call).SummaryRequest(model, prompt, user, maxTokens, c.opt.Dialect)
 	if err != nil {
 		return "", fmt.Errorf("summarizer: encode: %w", err)
 	}
 	return c.post(ctx, call, body)
+}
+
+// api is the API the call speaks (Call.Dialect; chat completions when
+// none).
+func (c *Client) api(call *Call) *wire.API {
+	if api, ok := wire.Named(call.Dialect); ok {
+		return api
+	}
+	return wire.ChatCompletions
 }
 
 // post sends one summarize request body and returns the answer's text,
@@ -555,10 +542,7 @@ func (c *Client) post(ctx context.Context, call *Call, body []byte) (string, err
 		ctx, cancel = context.WithTimeout(ctx, c.opt.Timeout)
 		defer cancel()
 	}
-	api, ok := wire.Named(call.Dialect)
-	if !ok {
-		api = wire.ChatCompletions
-	}
+	api := c.api(call)
 	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, c.opt.URL+"/"+api.UpstreamPath, bytes.NewReader(body))
 	if err != nil {
 		return "", fmt.Errorf("summarizer: request: %w", err)
@@ -603,19 +587,12 @@ func (c *Client) post(ctx context.Context, call *Call, body []byte) (string, err
 			call.OnUsage(u)
 		}
 	}
-	if call.Dialect != "" {
-		return dialectText(call.Dialect, data)
-	}
-	var out openai.ChatCompletionResponse
-	if err := json.Unmarshal(data, &out); err != nil {
+	text, why, err := api.SummaryText(data)
+	if err != nil {
 		return "", fmt.Errorf("%w: %v", ErrBadResponse, err)
 	}
-	if len(out.Choices) == 0 {
-		return "", fmt.Errorf("%w: no choices", ErrBadResponse)
-	}
-	text := strings.TrimSpace(out.Choices[0].Message.Content)
 	if text == "" {
-		return "", fmt.Errorf("%w (finish_reason %q)", ErrEmptySummary, out.Choices[0].FinishReason)
+		return "", fmt.Errorf("%w (%s)", ErrEmptySummary, why)
 	}
 	return text, nil
 }
@@ -720,51 +697,4 @@ func arguments(raw json.RawMessage) string {
 		return s
 	}
 	return string(raw)
-}
-
-// dialectText is the text of a Responses answer (its output message items'
-// output_text parts) or a Messages answer (its text blocks).
-func dialectText(dialect string, data []byte) (string, error) {
-	var out struct {
-		Output []struct {
-			Type    string `json:"type"`
-			Content []struct {
-				Type string `json:"type"`
-				Text string `json:"text"`
-			} `json:"content"`
-		} `json:"output"`
-		Content []struct {
-			Type string `json:"type"`
-			Text string `json:"text"`
-		} `json:"content"`
-		Status     string `json:"status"`
-		StopReason string `json:"stop_reason"`
-	}
-	if err := json.Unmarshal(data, &out); err != nil {
-		return "", fmt.Errorf("%w: %v", ErrBadResponse, err)
-	}
-	var sb strings.Builder
-	if dialect == "responses" {
-		for _, it := range out.Output {
-			if it.Type != "message" {
-				continue
-			}
-			for _, p := range it.Content {
-				if p.Type == "output_text" {
-					sb.WriteString(p.Text)
-				}
-			}
-		}
-	} else {
-		for _, b := range out.Content {
-			if b.Type == "text" {
-				sb.WriteString(b.Text)
-			}
-		}
-	}
-	text := strings.TrimSpace(sb.String())
-	if text == "" {
-		return "", fmt.Errorf("%w (status %q%s)", ErrEmptySummary, out.Status, out.StopReason)
-	}
-	return text, nil
 }

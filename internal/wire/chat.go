@@ -3,8 +3,10 @@ package wire
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/chat"
@@ -96,6 +98,54 @@ func (Chat) SummaryFields(req *chat.Request, maxTokens int, dialect string) []ch
 		}
 	}
 	return append(set, serverOutputFields...)
+}
+
+// SummaryRequest implements Rules: a system and a user message, the limit
+// under SummaryFields' name for it; "stream": false.
+func (Chat) SummaryRequest(model, system, user string, maxTokens int, dialect string) ([]byte, error) {
+	type message struct {
+		Role    string `json:"role"`
+		Content string `json:"content,omitempty"`
+	}
+	req := struct {
+		Model               string    `json:"model"`
+		Messages            []message `json:"messages"`
+		MaxTokens           int       `json:"max_tokens,omitempty"`
+		MaxCompletionTokens int       `json:"max_completion_tokens,omitempty"`
+		Stream              bool      `json:"stream"`
+	}{Model: model, Messages: []message{{"system", system}, {"user", user}}}
+	if dialect == "openai" {
+		req.MaxCompletionTokens = maxTokens
+	} else {
+		req.MaxTokens = maxTokens
+	}
+	return json.Marshal(req)
+}
+
+// SummaryText implements Rules: the first choice's message content (a
+// string; content parts are no summary).
+func (Chat) SummaryText(body []byte) (string, string, error) {
+	var out struct {
+		Choices []struct {
+			Message struct {
+				Content json.RawMessage `json:"content"`
+			} `json:"message"`
+			FinishReason string `json:"finish_reason"`
+		} `json:"choices"`
+	}
+	if err := json.Unmarshal(body, &out); err != nil {
+		return "", "", err
+	}
+	if len(out.Choices) == 0 {
+		return "", "", errors.New("no choices")
+	}
+	var text string
+	if c := bytes.TrimSpace(out.Choices[0].Message.Content); len(c) > 0 && c[0] != '[' && !bytes.Equal(c, []byte("null")) {
+		if err := json.Unmarshal(c, &text); err != nil {
+			return "", "", err // neither text nor content parts
+		}
+	}
+	return strings.TrimSpace(text), fmt.Sprintf("finish_reason %q", out.Choices[0].FinishReason), nil
 }
 
 // serverOutputFields are servers' own length and format options, removed

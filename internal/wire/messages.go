@@ -97,6 +97,16 @@ func (Messages) SummaryFields(req *chat.Request, maxTokens int, _ string) []chat
 	return set
 }
 
+// SummaryRequest implements Rules: a top-level system and one user
+// message.
+func (Messages) SummaryRequest(model, system, user string, maxTokens int, _ string) ([]byte, error) {
+	return json.Marshal(map[string]any{"model": model, "system": system, "max_tokens": maxTokens,
+		"messages": []map[string]any{{"role": "user", "content": user}}})
+}
+
+// SummaryText implements Rules: the text blocks.
+func (Messages) SummaryText(body []byte) (string, string, error) { return typedText(body, false) }
+
 // NewStream implements Rules.
 func (Messages) NewStream(bool) Stream { return &messagesStream{} }
 

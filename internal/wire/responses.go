@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"strconv"
+	"strings"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/chat"
@@ -68,6 +69,61 @@ func (Responses) SummaryFields(req *chat.Request, maxTokens int, _ string) []cha
 		set[len(set)-1].Value = []byte(`"none"`)
 	}
 	return set
+}
+
+// SummaryRequest implements Rules: instructions and one user message
+// item, not stored.
+func (Responses) SummaryRequest(model, system, user string, maxTokens int, _ string) ([]byte, error) {
+	return json.Marshal(map[string]any{"model": model, "instructions": system, "store": false,
+		"input":             []map[string]any{{"type": "message", "role": "user", "content": user}},
+		"max_output_tokens": maxTokens})
+}
+
+// SummaryText implements Rules: the output_text parts of the message
+// items.
+func (Responses) SummaryText(body []byte) (string, string, error) { return typedText(body, true) }
+
+// typedText is the text of a Responses answer (responses: its message
+// items' output_text parts) or a Messages answer (its text blocks).
+func typedText(body []byte, responses bool) (string, string, error) {
+	var out struct {
+		Output []struct {
+			Type    string `json:"type"`
+			Content []struct {
+				Type string `json:"type"`
+				Text string `json:"text"`
+			} `json:"content"`
+		} `json:"output"`
+		Content []struct {
+			Type string `json:"type"`
+			Text string `json:"text"`
+		} `json:"content"`
+		Status     string `json:"status"`
+		StopReason string `json:"stop_reason"`
+	}
+	if err := json.Unmarshal(body, &out); err != nil {
+		return "", "", err
+	}
+	var sb strings.Builder
+	if responses {
+		for _, it := range out.Output {
+			if it.Type != "message" {
+				continue
+			}
+			for _, p := range it.Content {
+				if p.Type == "output_text" {
+					sb.WriteString(p.Text)
+				}
+			}
+		}
+	} else {
+		for _, b := range out.Content {
+			if b.Type == "text" {
+				sb.WriteString(b.Text)
+			}
+		}
+	}
+	return strings.TrimSpace(sb.String()), fmt.Sprintf("status %q%s", out.Status, out.StopReason), nil
 }
 
 // hasTools: a tools list that is not empty.

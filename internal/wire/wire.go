@@ -78,6 +78,14 @@ type Rules interface {
 	// tool call, no option that would shape or cut the summary. dialect
 	// is upstream.dialect (its name for the token limit).
 	SummaryFields(req *chat.Request, maxTokens int, dialect string) []chat.Field
+	// SummaryRequest is a summarize request of the API's own shape (the
+	// summarizer's transcript request): system instructions and one user
+	// message, at most maxTokens. dialect as for SummaryFields.
+	SummaryRequest(model, system, user string, maxTokens int, dialect string) ([]byte, error)
+	// SummaryText is the text of a non-streamed answer of the API; when it
+	// is empty, why says how the answer ended (its finish or stop reason).
+	// err: the body is not such an answer.
+	SummaryText(body []byte) (text, why string, err error)
 }
 
 // defaults are the rules most APIs share, for an API's type to embed:
