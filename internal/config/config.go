@@ -142,7 +142,10 @@ type Bolt struct {
 
 // Redis configures the redis store backend.
 type Redis struct {
-	URL    Secret `mapstructure:"url" yaml:"url"`       // redis://[:pw@]host:6379/0 or rediss://; may hold a password
+	// URL names the deployment (package redisurl, docs/configuration.md):
+	// redis://[:pw@]host:6379/0 (one node), redis+sentinel://s1,s2/master[/db],
+	// redis+cluster://n1:7000,n2:7001; rediss… for TLS. May hold a password.
+	URL    Secret `mapstructure:"url" yaml:"url"`
 	Prefix string `mapstructure:"prefix" yaml:"prefix"` // compactproxy:
 }
 
