@@ -7,6 +7,8 @@ import (
 	"net/http"
 	"sync/atomic"
 	"testing"
+
+	"github.com/compactproxy/compactproxy/internal/upstream"
 )
 
 // Suspicion: OpenAI's overflow answer without sizes ("Your input exceeds the
@@ -42,7 +44,7 @@ func TestOverflowWithoutSizesRetries(t *testing.T) {
 	if calls.Load() != 2 {
 		t.Errorf("upstream calls %d, want 2 (overflow + one retry)", calls.Load())
 	}
-	if w := p.srv.windows.Get("m"); w != 4000 {
+	if w := p.srv.windows.GetFor(upstream.Scope{Model: "m"}); w != 4000 {
 		t.Errorf("window %d: an answer without sizes taught a window", w)
 	}
 }
@@ -85,7 +87,7 @@ func TestQuotedContextSizeLearnsNothing(t *testing.T) {
 	if n := len(forwardedMessages(t, up.last(t).Body)); n != 26 {
 		t.Errorf("tenant b's 26-message conversation was forwarded as %d messages (compaction %q)", n, resp.Header.Get("X-Compactproxy-Compaction"))
 	}
-	if w := p.srv.windows.Get("m"); w != 4000 {
+	if w := p.srv.windows.GetFor(upstream.Scope{Model: "m"}); w != 4000 {
 		t.Errorf("window %d after a quoted size, want the configured 4000", w)
 	}
 }

@@ -86,10 +86,6 @@ func (w *Windows) clock() time.Time {
 	return time.Now()
 }
 
-// Get returns the window for model, 0 when unknown, without what any
-// tenant learned.
-func (w *Windows) Get(model string) int { return w.GetFor(Scope{Model: model}) }
-
 // GetFor returns the window in scope sc, 0 when unknown.
 func (w *Windows) GetFor(sc Scope) int {
 	model := sc.Model

@@ -40,10 +40,10 @@ func TestLearnedWindowBounds(t *testing.T) {
 			w.Accept(Scope{Model: "m"}, tc.accepted, ttl)
 			w.Learn(Scope{Model: "m"}, tc.learn, ttl)
 			now = now.Add(tc.after)
-			if got := w.Get("m"); got != tc.want {
+			if got := w.GetFor(Scope{Model: "m"}); got != tc.want {
 				t.Errorf("window %d, want %d", got, tc.want)
 			}
-			if got := w.Get("other"); got != tc.configured {
+			if got := w.GetFor(Scope{Model: "other"}); got != tc.configured {
 				t.Errorf("another model's window %d, want %d", got, tc.configured)
 			}
 		})
@@ -55,7 +55,7 @@ func TestAcceptedPromptDropsLearnedWindow(t *testing.T) {
 	w := NewWindows(nil, 8000)
 	w.Learn(Scope{Model: "m"}, 3000, time.Minute)
 	w.Accept(Scope{Model: "m"}, 3500, time.Minute)
-	if got := w.Get("m"); got != 8000 {
+	if got := w.GetFor(Scope{Model: "m"}); got != 8000 {
 		t.Errorf("window %d after the upstream accepted 3500, want 8000", got)
 	}
 }
@@ -113,7 +113,7 @@ func TestDiscoverModelsList(t *testing.T) {
 		t.Fatal("nothing discovered")
 	}
 	for model, want := range map[string]int{"vllm": 32768, "router": 40000, "groq": 131072, "mistral": 65536, "none": 0} {
-		if got := c.Windows.Get(model); got != want {
+		if got := c.Windows.GetFor(Scope{Model: model}); got != want {
 			t.Errorf("%s: window %d, want %d", model, got, want)
 		}
 	}
