@@ -191,3 +191,31 @@ func b2i(b bool) int {
 	}
 	return 0
 }
+
+// FuzzSummaryText: any answer body, under every API, gives a trimmed text
+// or an error, and an answer that carries text gives it back.
+func FuzzSummaryText(f *testing.F) {
+	f.Add([]byte(`{"choices":[{"message":{"content":"## Goal\nx"},"finish_reason":"stop"}]}`), "## Goal\nx")
+	f.Add([]byte(`{"output":[{"type":"message","content":[{"type":"output_text","text":"s"}]}],"status":"completed"}`), "s")
+	f.Add([]byte(`{"content":[{"type":"text","text":"s"}],"stop_reason":"end_turn"}`), " s ")
+	f.Fuzz(func(t *testing.T, body []byte, text string) {
+		q, _ := json.Marshal(text)
+		answers := map[chat.Dialect]string{
+			chat.DialectChat:      `{"choices":[{"message":{"content":` + string(q) + `},"finish_reason":"stop"}]}`,
+			chat.DialectResponses: `{"output":[{"type":"message","content":[{"type":"output_text","text":` + string(q) + `}]}],"status":"completed"}`,
+			chat.DialectMessages:  `{"content":[{"type":"text","text":` + string(q) + `}],"stop_reason":"end_turn"}`,
+		}
+		for _, api := range APIs {
+			got, why, err := api.SummaryText(body)
+			if err == nil && (got != strings.TrimSpace(got) || (got == "" && why == "")) {
+				t.Fatalf("%s: text %q, why %q", api.Dialect, got, why)
+			}
+			var sent string // the text as JSON carries it (invalid UTF-8 replaced)
+			_ = json.Unmarshal(q, &sent)
+			want := strings.TrimSpace(sent)
+			if got, _, err := api.SummaryText([]byte(answers[api.Dialect])); err != nil || got != want {
+				t.Fatalf("%s: text %q (%v), want %q", api.Dialect, got, err, want)
+			}
+		}
+	})
+}
