@@ -1,5 +1,5 @@
-// Package purity keeps the pure core pure: internal/chat, pairing, anchor
-// and compaction import the standard library and each other only (CRAFT
+// Package purity keeps the pure core pure: internal/chat, pairing, anchor,
+// compaction and seal import the standard library and each other only (CRAFT
 // habit 1), so they stay testable with plain tables and fuzzing.
 package purity
 
