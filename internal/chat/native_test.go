@@ -140,3 +140,21 @@ func pairingView(msgs []Message) []pairing.Message {
 	}
 	return out
 }
+
+// TestNativeCompactionAlone: a paused compaction (stop_reason "compaction")
+// leaves an assistant message holding only the block; it is one message,
+// rebuilt as sent.
+func TestNativeCompactionAlone(t *testing.T) {
+	body := `{"model":"m","max_tokens":9,"messages":[{"role":"user","content":"hi"},` +
+		`{"role":"assistant","content":[` + compactionBlk + `]},{"role":"user","content":"go on"}]}`
+	r, err := ParseDialect(DialectMessages, []byte(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(r.Messages) != 3 || r.Messages[1].Native != NativeCompaction || r.LastNativeCompaction() != 1 {
+		t.Fatalf("%d messages, message 1 native %d", len(r.Messages), r.Messages[1].Native)
+	}
+	if got := r.Build(r.Messages[1:], nil); !bytes.Contains(got, []byte(`{"role":"assistant","content":[`+compactionBlk+`]}`)) {
+		t.Fatalf("the paused message is not kept byte for byte: %s", got)
+	}
+}
