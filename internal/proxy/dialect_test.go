@@ -13,6 +13,8 @@ import (
 	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
 	"github.com/compactproxy/compactproxy/internal/pairing"
+	"github.com/compactproxy/compactproxy/internal/upstream"
+	"github.com/compactproxy/compactproxy/internal/wire"
 )
 
 // dialectUpstream is a Responses + Messages provider with an enforced
@@ -453,7 +455,7 @@ func TestStreamErrorEventPerDialect(t *testing.T) {
 		chat.DialectResponses: `event: error` + "\n" + `data: {"type":"error","code":"upstream_timeout","message":"compactproxy: the upstream broke off the stream (upstream timed out)"}`,
 		chat.DialectMessages:  `event: error` + "\n" + `data: {"type":"error","error":{"type":"api_error","message":"compactproxy: the upstream broke off the stream (upstream timed out)"}}`,
 	} {
-		if got := string(streamErrorEvent(d, failTimeout)); got != want+"\n\n" {
+		if got := string(streamErrorEvent(wire.For(d), upstream.FailTimeout)); got != want+"\n\n" {
 			t.Errorf("%s: %q, want %q", d, got, want+"\n\n")
 		}
 	}
