@@ -37,11 +37,10 @@ func (s *Server) passthrough() *httputil.ReverseProxy {
 			for _, k := range s.ownHeaders() {
 				pr.Out.Header.Del(k)
 			}
-			if key := s.cfg.Upstream.APIKey.Reveal(); key != "" {
-				pr.Out.Header.Del("X-Api-Key")
-				pr.Out.Header.Del("Api-Key")
-				pr.Out.Header.Set("Authorization", "Bearer "+key)
-			}
+			// The proxy's upstream key in the upstream's own header, as on
+			// the chat routes (Anthropic's X-Api-Key for dialect anthropic:
+			// count_tokens and models carried a Bearer token it ignores).
+			upstream.SetKey(pr.Out.Header, s.cfg.Upstream.APIKey.Reveal(), s.cfg.Upstream.Dialect)
 		},
 		ModifyResponse: func(resp *http.Response) error {
 			// The proxy's X-Request-Id stays (observe set it on the

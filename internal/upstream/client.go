@@ -245,9 +245,7 @@ func (c *Client) Probe(ctx context.Context) (ok bool, cause string) {
 	if err != nil {
 		return false, "upstream URL invalid"
 	}
-	if key := c.cfg.APIKey.Reveal(); key != "" {
-		req.Header.Set("Authorization", "Bearer "+key)
-	}
+	SetKey(req.Header, c.cfg.APIKey.Reveal(), c.cfg.Dialect)
 	// RoundTrip, not http.Client: a redirect is an answer, not a hop to
 	// follow, and its errors do not quote the URL (*url.Error does).
 	resp, err := c.Transport.RoundTrip(req)
