@@ -29,6 +29,10 @@ const (
 	// stepDiscarded: the produced view failed the invariant; the client's
 	// view is forwarded and nothing new is stored.
 	stepDiscarded
+	// stepDeduped: step 0 turned repeated tool results into pointers now.
+	stepDeduped
+	// stepMasked: step 0 masked old tool results now.
+	stepMasked
 )
 
 // steps is the log of the steps a run took.
