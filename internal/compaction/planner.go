@@ -237,14 +237,14 @@ type Action string
 // The actions. The values are the X-Compactproxy-Compaction header values
 // and the compactions_total label values.
 const (
-	ActionNone             Action = "none"
-	ActionTrimmed          Action = "trimmed"
-	ActionReused           Action = "reused"
-	ActionSummarized       Action = "summarized"
-	ActionDropped          Action = "dropped"
+	ActionNone       Action = "none"
+	ActionTrimmed    Action = "trimmed"
+	ActionReused     Action = "reused"
+	ActionSummarized Action = "summarized"
+	ActionDropped    Action = "dropped"
 	// ActionMasked: the view carries step 0's pointers or placeholders
 	// and no excerpt, summary or drop.
-	ActionMasked Action = "masked"
+	ActionMasked           Action = "masked"
 	ActionSummarizePending Action = "summarize_pending"
 )
 
