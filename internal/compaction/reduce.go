@@ -347,7 +347,6 @@ func (r *run) dedupe(p *plan, from, to, cur int) int {
 		q.trims[i] = keeps[i]
 	}
 	*p = q
-	r.done.add(stepDeduped)
 	return r.est(r.view(*p))
 }
 
@@ -375,7 +374,6 @@ func (r *run) mask(p *plan, from, to, cur, target int) (int, bool) {
 	estAll := r.est(r.view(all))
 	if estAll >= target {
 		*p = all
-		r.done.add(stepMasked)
 		return estAll, false
 	}
 	lo, hi, hiEst := 1, len(cands), estAll
@@ -395,7 +393,6 @@ func (r *run) mask(p *plan, from, to, cur, target int) (int, bool) {
 		hiEst = r.est(r.view(p.withTrims(cands[:hi], keepMask)))
 	}
 	*p = p.withTrims(cands[:hi], keepMask)
-	r.done.add(stepMasked)
 	return hiEst, true
 }
 

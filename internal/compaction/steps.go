@@ -29,9 +29,10 @@ const (
 	// stepDiscarded: the produced view failed the invariant; the client's
 	// view is forwarded and nothing new is stored.
 	stepDiscarded
-	// stepDeduped: step 0 turned repeated tool results into pointers now.
+	// stepDeduped: the forwarded plan carries pointers (dedupe) not
+	// re-applied from the state (finish notes it, as for trims).
 	stepDeduped
-	// stepMasked: step 0 masked old tool results now.
+	// stepMasked: likewise for placeholders (mask).
 	stepMasked
 )
 
