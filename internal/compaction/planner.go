@@ -397,6 +397,9 @@ type run struct {
 	// (computed once, when needed).
 	callOf []call
 	red    *reductions
+	// lastResort is set while overBudget runs: the working set may be
+	// excerpted then (a view over the budget is a certain refusal).
+	lastResort bool
 	// room is the budget less the fixed part (0 until known).
 	room  int
 	ratio float64 // provider tokens per local token (Estimate.Ratio)
@@ -600,6 +603,8 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 // the final message last. What is still over the window is forwarded, and
 // said (Events.Impossible). It returns the view's estimate.
 func (r *run) overBudget(p *plan, cur, budget, target int) int {
+	r.lastResort = true
+	defer func() { r.lastResort = false }()
 	if cur > budget {
 		start := p.headStart(r.lead)
 		if cands := r.trimCandidates(*p, start, r.n-1, 0); len(cands) > 0 {

@@ -233,36 +233,38 @@ func (r *run) reductions() *reductions {
 			bump(byCmd, [2]string{c.name, c.args}, i)
 		}
 	}
+	// First the pointers (the latest repeat wins), then the working set:
+	// the latest of what was repeated, when nothing later supersedes it.
 	for i := r.lead; i < r.n; i++ {
 		m := &r.msgs[i]
 		if m.Role != "tool" {
 			continue
 		}
-		c := calls[i]
-		if trimmable(m) {
-			if g := byBody[bodies[i]]; g.count > 1 {
-				if g.last == i {
-					red.working[i] = true
-				} else {
-					red.later[i] = g.last
-				}
-			}
+		if g := byBody[bodies[i]]; trimmable(m) && g.count > 1 && g.last != i {
+			red.later[i] = g.last
 		}
-		if !c.known || c.edit {
-			continue
-		}
-		if c.path != "" {
-			g := byRead[[2]string{c.name, c.path}]
-			if g.last == i && (g.count > 1 || edited[c.path]) {
-				red.working[i] = true
-			}
-			if g.last != i {
+		if c := calls[i]; c.known && !c.edit && c.path != "" {
+			if g := byRead[[2]string{c.name, c.path}]; g.last != i {
 				red.later[i] = max(red.later[i], g.last)
 			}
+		}
+	}
+	for i := r.lead; i < r.n; i++ {
+		m := &r.msgs[i]
+		if m.Role != "tool" || red.later[i] >= 0 {
 			continue
 		}
-		if g := byCmd[[2]string{c.name, c.args}]; g.count > 1 && g.last == i {
+		c := calls[i]
+		switch g := byBody[bodies[i]]; {
+		case trimmable(m) && g.count > 1:
 			red.working[i] = true
+		case !c.known || c.edit:
+		case c.path != "":
+			g := byRead[[2]string{c.name, c.path}]
+			red.working[i] = g.count > 1 || edited[c.path]
+		default:
+			g := byCmd[[2]string{c.name, c.args}]
+			red.working[i] = g.count > 1 && g.last == i
 		}
 	}
 	r.red = red
@@ -294,7 +296,7 @@ func (r *run) reduced(i, keep int) (chat.Message, bool) {
 			return m, false
 		}
 		c := calls[j]
-		if calls[i].known && c.path != "" && calls[i].path == c.path {
+		if bodyDigest(&m) != bodyDigest(&r.msgs[j]) {
 			text = "[compactproxy: an older read; the later result of " + c.shown() + " is current]"
 		} else {
 			text = "[compactproxy: identical to the later result of " + c.shown() + "]"

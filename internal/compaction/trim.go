@@ -13,8 +13,8 @@ func (r *run) long() int { return r.cfg.TrimToolResultTokens }
 // trimCandidates lists, oldest first, the tool results in [from, to)
 // longer than limit provider tokens (measured as the local size of their
 // text times the estimate's ratio) that the plan does not trim or drop yet;
-// with step 0 on, not the working set's unless limit is 0 (the view is over
-// the budget).
+// with step 0 on, not the working set's short of the last resort
+// (overBudget).
 func (r *run) trimCandidates(p plan, from, to, limit int) []int {
 	var out []int
 	for i := max(from, r.lead); i < to && i < r.n; i++ {
@@ -28,7 +28,7 @@ func (r *run) trimCandidates(p plan, from, to, limit int) []int {
 		if p.dropped(i) {
 			continue
 		}
-		if limit > 0 && r.cfg.workingSet() && r.reductions().working[i] {
+		if !r.lastResort && r.cfg.workingSet() && r.reductions().working[i] {
 			continue // the working set stays verbatim short of the last resort
 		}
 		if _, ok := r.trimmed(i, min(r.keep, max(limit*bytesPerToken/2, tightKeep))); ok {
