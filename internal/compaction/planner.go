@@ -395,8 +395,9 @@ type run struct {
 	base plan
 	// callOf and red are step 0's view of the calls and the duplicates
 	// (computed once, when needed).
-	callOf []call
-	red    *reductions
+	callOf    []call
+	callCache map[int]call
+	red       *reductions
 	// lastResort is set while overBudget runs: the working set may be
 	// excerpted then (a view over the budget is a certain refusal).
 	lastResort bool
@@ -522,9 +523,14 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 	headStart := p.headStart(r.lead)
 
 	// 0. Dedupe (lossless, every repeated result outside the tail: once a
-	// view is over the trigger no duplicate bytes go out), then mask.
+	// view is over the trigger no duplicate bytes go out), then mask; not
+	// in the head a ready background summary replaces (see step 1).
 	if cfg.Dedupe {
-		if cur = r.dedupe(p, headStart, r.tail, cur); cur < target {
+		from := headStart
+		if r.readyPending(*p, *p, headStart, cur).ok {
+			from = r.st.Pending.Cut
+		}
+		if cur = r.dedupe(p, from, r.tail, cur); cur < target {
 			return cur
 		}
 	}

@@ -50,35 +50,72 @@ func (r *run) calls() []call {
 		return r.callOf
 	}
 	r.callOf = make([]call, r.n)
-	byID := map[string]call{}
 	for i := range r.msgs {
-		m := &r.msgs[i]
-		if len(m.ToolCalls) > 0 {
-			clear(byID)
-			var raw struct {
-				ToolCalls []struct {
-					ID       string `json:"id"`
-					Function struct {
-						Name      string          `json:"name"`
-						Arguments json.RawMessage `json:"arguments"`
-					} `json:"function"`
-				} `json:"tool_calls"`
-			}
-			if json.Unmarshal(m.Raw, &raw) != nil {
-				continue
-			}
-			for _, c := range raw.ToolCalls {
-				byID[c.ID] = newCall(c.Function.Name, c.Function.Arguments)
-			}
-			continue
-		}
-		if m.Role == "tool" && m.HasToolCallID {
-			if c, ok := byID[m.ToolCallID]; ok {
-				r.callOf[i] = c
-			}
+		if len(r.msgs[i].ToolCalls) > 0 {
+			r.answers(i, func(j int, c call) { r.callOf[j] = c })
 		}
 	}
 	return r.callOf
+}
+
+// callAt is the call the tool message at i answers: from calls() when
+// computed, else from its own assistant message alone (re-applying a
+// record decodes only the turns it names).
+func (r *run) callAt(i int) call {
+	if r.callOf != nil || i < 0 || i >= r.n {
+		if i < 0 || i >= r.n {
+			return call{}
+		}
+		return r.calls()[i]
+	}
+	if c, ok := r.callCache[i]; ok {
+		return c
+	}
+	a := i
+	for a > 0 && isToolRole(r.msgs[a].Role) {
+		a--
+	}
+	if r.callCache == nil {
+		r.callCache = map[int]call{}
+	}
+	for j := a + 1; j < r.n && isToolRole(r.msgs[j].Role); j++ {
+		r.callCache[j] = call{}
+	}
+	r.callCache[i] = call{}
+	r.answers(a, func(j int, c call) { r.callCache[j] = c })
+	return r.callCache[i]
+}
+
+// answers decodes the calls of the assistant message at a and hands each
+// to set with the position of the tool message that answers it.
+func (r *run) answers(a int, set func(int, call)) {
+	m := &r.msgs[a]
+	if len(m.ToolCalls) == 0 {
+		return
+	}
+	var raw struct {
+		ToolCalls []struct {
+			ID       string `json:"id"`
+			Function struct {
+				Name      string          `json:"name"`
+				Arguments json.RawMessage `json:"arguments"`
+			} `json:"function"`
+		} `json:"tool_calls"`
+	}
+	if json.Unmarshal(m.Raw, &raw) != nil {
+		return
+	}
+	byID := make(map[string]call, len(raw.ToolCalls))
+	for _, c := range raw.ToolCalls {
+		byID[c.ID] = newCall(c.Function.Name, c.Function.Arguments)
+	}
+	for j := a + 1; j < r.n && isToolRole(r.msgs[j].Role); j++ {
+		if t := &r.msgs[j]; t.HasToolCallID {
+			if c, ok := byID[t.ToolCallID]; ok {
+				set(j, c)
+			}
+		}
+	}
 }
 
 // newCall decodes a call's arguments: a JSON string holding JSON (chat),
@@ -280,11 +317,10 @@ func (r *run) reduced(i, keep int) (chat.Message, bool) {
 	if !trimmable(&m) {
 		return m, false
 	}
-	calls := r.calls()
 	var text string
 	switch {
 	case keep == keepMask:
-		c := calls[i]
+		c := r.callAt(i)
 		if !c.known {
 			return m, false
 		}
@@ -292,10 +328,10 @@ func (r *run) reduced(i, keep int) (chat.Message, bool) {
 			groupThousands(max(m.TextBytes, 0)) + " characters); call it again if it is needed]"
 	default:
 		j := i - keep
-		if j <= i || j >= r.n || !calls[j].known {
+		c := r.callAt(j)
+		if j <= i || j >= r.n || !c.known {
 			return m, false
 		}
-		c := calls[j]
 		if bodyDigest(&m) != bodyDigest(&r.msgs[j]) {
 			text = "[compactproxy: an older read; the later result of " + c.shown() + " is current]"
 		} else {
