@@ -1,9 +1,11 @@
 package chat
 
 import (
+	"fmt"
 	"runtime"
 	"strings"
 	"testing"
+	"time"
 )
 
 // nestedCacheControl is a Messages body whose one content block nests
@@ -43,13 +45,62 @@ const (
 	workPerByte = 128
 )
 
+// The linear CPU budget of parsing n bytes, in the parsing thread's own CPU
+// time (not a clock: another process on a loaded machine does not add to
+// it): cpuBase + cpuPerByte*n. Generous: -race parses a 1 MiB agent body in
+// tens of milliseconds (well under a microsecond a byte), while the
+// quadratic digest of the 68 KB nested body took 2.5 s (36 µs a byte)
+// without -race. An allocation-free superlinear loop, which the allocation
+// bound cannot see, trips this one.
+const (
+	cpuBase    = 250 * time.Millisecond
+	cpuPerByte = 5 * time.Microsecond
+)
+
 // checkLinearWork fails t when f, run on an input of n bytes, allocates
-// more than the linear budget: the fuzzers' bound on the work per input,
-// so a body that costs more than linear time fails without a clock.
+// more than the linear budget or spends more than the linear CPU budget:
+// the fuzzers' bound on the work per input, so a body that costs more than
+// linear time fails.
 func checkLinearWork(t *testing.T, n int, f func()) {
 	t.Helper()
-	if a := allocated(f); a > workBase+workPerByte*uint64(n) {
-		t.Fatalf("%d bytes allocated for %d bytes of input (%.0f per byte): more than linear work", a, n, float64(a)/float64(max(n, 1)))
+	if problem := linearWorkProblem(n, f); problem != "" {
+		t.Fatal(problem)
+	}
+}
+
+// linearWorkProblem runs f, the work for an input of n bytes, and says how
+// it went over the linear budgets ("" when it did not).
+func linearWorkProblem(n int, f func()) string {
+	var a uint64
+	cpu, measured := threadCPU(func() { a = allocated(f) })
+	if a > workBase+workPerByte*uint64(n) {
+		return fmt.Sprintf("%d bytes allocated for %d bytes of input (%.0f per byte): more than linear work", a, n, float64(a)/float64(max(n, 1)))
+	}
+	if limit := cpuBase + cpuPerByte*time.Duration(n); measured && cpu > limit {
+		return fmt.Sprintf("%v of CPU for %d bytes of input (over %v): more than linear work", cpu, n, limit)
+	}
+	return ""
+}
+
+// TestLinearWorkBoundSeesCPU: work that allocates nothing but spends CPU
+// superlinearly (here: twice the base budget on a 1-byte input) is caught
+// by the CPU bound, which the allocation bound alone would let through.
+func TestLinearWorkBoundSeesCPU(t *testing.T) {
+	if _, measured := threadCPU(func() {}); !measured {
+		t.Skip("no per-thread CPU time on this platform")
+	}
+	spin := func() { // runs on threadCPU's locked thread: spins 2*cpuBase of its CPU
+		start, _ := threadCPUNow()
+		x := 0
+		for now, _ := threadCPUNow(); now-start < 2*cpuBase; now, _ = threadCPUNow() {
+			for i := 0; i < 1000; i++ {
+				x += i
+			}
+		}
+		_ = x
+	}
+	if problem := linearWorkProblem(1, spin); !strings.Contains(problem, "of CPU") {
+		t.Fatalf("a %v CPU spin on a 1-byte input: problem %q, want the CPU bound to trip", 2*cpuBase, problem)
 	}
 }
 

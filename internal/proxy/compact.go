@@ -149,7 +149,7 @@ func (s *Server) recoverOnce(ctx context.Context, r *http.Request, cr *chatReque
 	if out := cr.decision; out.Budget <= 0 || out.Forwarded > out.Budget {
 		return false
 	}
-	s.metrics.UpstreamRetries.WithLabelValues("chat", "context_overflow").Inc()
+	s.metrics.UpstreamRetries.WithLabelValues(cr.dialect.String(), "context_overflow").Inc()
 	return true
 }
 

@@ -208,7 +208,7 @@ func TestDialectLoopsCompact(t *testing.T) {
 				fwd := lastAgentRequest(t, up, path)
 				checkForwarded(t, tc.d, step, []byte(body), fwd, newest)
 			}
-			retries := counter(t, p.reg, "compactproxy_upstream_retries_total", map[string]string{"op": "chat", "reason": "context_overflow"})
+			retries := counter(t, p.reg, "compactproxy_upstream_retries_total", map[string]string{"op": tc.d.String(), "reason": "context_overflow"})
 			t.Logf("overflows %d, recovered %v, summarize calls %d, compacted answers %d", up.overflows.Load(), retries, up.summaries.Load(), summarized)
 			if overstated && (up.overflows.Load() == 0 || retries != float64(up.overflows.Load())) {
 				t.Errorf("overstated window: %d overflows, %v recovered (want every one)", up.overflows.Load(), retries)

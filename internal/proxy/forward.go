@@ -41,7 +41,8 @@ func (s *Server) send(ctx context.Context, cr *chatRequest) (*http.Response, err
 			s.metrics.Overhead.Observe((time.Since(cr.start) - cr.spent).Seconds())
 		}
 		upStart := time.Now()
-		resp, err := s.retrier.do(ctx, "chat", func() (*http.Request, error) {
+		// Counted under the route served (op = chat, responses, messages).
+		resp, err := s.retrier.do(ctx, cr.dialect.String(), func() (*http.Request, error) {
 			target := s.dialectURLs[cr.dialect]
 			if cr.query != "" {
 				target += "?" + cr.query
@@ -71,7 +72,7 @@ func (s *Server) send(ctx context.Context, cr *chatRequest) (*http.Response, err
 				// the client's own bad stream_options: send the request
 				// again as the client wrote it, and learn only if that
 				// succeeds (below).
-				s.metrics.UpstreamRetries.WithLabelValues("chat", "stream_options").Inc()
+				s.metrics.UpstreamRetries.WithLabelValues(cr.dialect.String(), "stream_options").Inc()
 				cr.inject = false
 				streamOptionsResend = true
 				continue
