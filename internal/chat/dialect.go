@@ -242,6 +242,7 @@ type synth struct {
 	args      []string
 	callID    string
 	hasCallID bool
+	native    NativeKind
 }
 
 // add appends the chat message s stands for, mapped to u.
@@ -287,6 +288,7 @@ func (b *builder) add(s *synth, u unit) {
 	}
 	raw = append(raw, '}')
 	m := decodeMessage(raw, len(b.r.Messages))
+	m.Native = s.native
 	// The digest is the client's bytes', not the synthesized JSON's: two
 	// items that differ only where the chat form does not look (an
 	// encrypted reasoning, a cache_control marker) are different messages.

@@ -229,6 +229,8 @@ func TestMessagesDigestIgnoresCacheControl(t *testing.T) {
 func FuzzParseDialect(f *testing.F) {
 	f.Add(uint8(1), responsesBody)
 	f.Add(uint8(2), messagesBody)
+	f.Add(uint8(1), nativeResponsesBody)
+	f.Add(uint8(2), nativeMessagesBody)
 	f.Add(uint8(1), `{"input":"x","instructions":null}`)
 	f.Add(uint8(2), `{"system":"s","messages":[{"role":"user","content":[]}]}`)
 	f.Add(uint8(2), string(nestedCacheControl(4800, "cache_control")))

@@ -49,6 +49,7 @@ type Upstream struct {
 	Dialect           string        `mapstructure:"dialect" yaml:"dialect"`                       // auto|openai|llamacpp|vllm|deepseek|anthropic
 	ContextWindow     int           `mapstructure:"context_window" yaml:"context_window"`         // 0 = discover
 	StreamUsage       string        `mapstructure:"stream_usage" yaml:"stream_usage"`             // auto|always|never
+	NativeCompaction  string        `mapstructure:"native_compaction" yaml:"native_compaction"`   // auto|passthrough|emulate; see NativeCompactions
 	DiscoveryInterval time.Duration `mapstructure:"discovery_interval" yaml:"discovery_interval"` // default 5m
 }
 
@@ -184,6 +185,7 @@ func Default() Config {
 			URL:               DefaultUpstreamURL,
 			Dialect:           "auto",
 			StreamUsage:       "auto",
+			NativeCompaction:  "auto",
 			DiscoveryInterval: 5 * time.Minute,
 		},
 		Compaction: Compaction{

@@ -23,6 +23,11 @@ var (
 	LogFormats    = []string{"json", "console"}
 )
 
+// NativeCompactions are upstream.native_compaction's values. Until the proxy
+// emulates the providers' compaction APIs, every value passes them through
+// unchanged (docs/configuration.md says so).
+var NativeCompactions = []string{"auto", "passthrough", "emulate"}
+
 // implementedBackends are the store backends that exist today; the others in
 // StoreBackends are part of the contract but rejected until they land, so a
 // config written for them fails at start instead of silently using memory.
@@ -118,6 +123,7 @@ func (c Config) Validate() error {
 	v.oneOf("upstream.dialect", c.Upstream.Dialect, Dialects)
 	v.atLeast("upstream.context_window", int64(c.Upstream.ContextWindow), 0)
 	v.oneOf("upstream.stream_usage", c.Upstream.StreamUsage, StreamUsages)
+	v.oneOf("upstream.native_compaction", c.Upstream.NativeCompaction, NativeCompactions)
 	v.positiveDuration("upstream.discovery_interval", c.Upstream.DiscoveryInterval)
 
 	seen := map[string]int{}

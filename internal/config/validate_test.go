@@ -60,6 +60,9 @@ func TestValidateRules(t *testing.T) {
 		{"upstream.dialect llamacpp", func(c *Config) { c.Upstream.Dialect = "llamacpp" }, ""},
 		{"upstream.context_window negative", func(c *Config) { c.Upstream.ContextWindow = -1 }, "upstream.context_window: must be >= 0"},
 		{"upstream.stream_usage", func(c *Config) { c.Upstream.StreamUsage = "sometimes" }, "upstream.stream_usage: must be one of"},
+		{"upstream.native_compaction", func(c *Config) { c.Upstream.NativeCompaction = "native" }, "upstream.native_compaction: must be one of"},
+		{"upstream.native_compaction empty", func(c *Config) { c.Upstream.NativeCompaction = "" }, "upstream.native_compaction: must be one of"},
+		{"upstream.native_compaction emulate", func(c *Config) { c.Upstream.NativeCompaction = "emulate" }, ""},
 		{"upstream.discovery_interval", func(c *Config) { c.Upstream.DiscoveryInterval = 0 }, "upstream.discovery_interval: must be > 0"},
 
 		{"models name missing", func(c *Config) { c.Models = []Model{{ContextWindow: 10}} }, "models[0].name: required"},

@@ -1,5 +1,5 @@
-// Package purity keeps the pure core pure: internal/chat, pairing, anchor
-// and compaction import the standard library and each other only (CRAFT
+// Package purity keeps the pure core pure: internal/chat, pairing, anchor,
+// compaction and seal import the standard library and each other only (CRAFT
 // habit 1), so they stay testable with plain tables and fuzzing.
 package purity
 
@@ -15,11 +15,11 @@ import (
 
 const module = "github.com/compactproxy/compactproxy/"
 
-var pure = []string{"internal/chat", "internal/pairing", "internal/anchor", "internal/compaction"}
+var pure = []string{"internal/chat", "internal/pairing", "internal/anchor", "internal/compaction", "internal/seal"}
 
 // noContext are the pure packages that decide without a context: a
 // decision takes its clock and its answers as data, and never waits.
-var noContext = map[string]bool{"internal/pairing": true, "internal/anchor": true, "internal/compaction": true}
+var noContext = map[string]bool{"internal/pairing": true, "internal/anchor": true, "internal/compaction": true, "internal/seal": true}
 
 func TestPureCoreImportsOnlyStdAndSiblings(t *testing.T) {
 	allowed := map[string]bool{}
