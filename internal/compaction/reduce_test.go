@@ -214,9 +214,9 @@ func v2id(msgs []chat.Message, i int) string { return msgs[i].ToolCallID }
 // over a fixed set of seeds and keep_tail values, with and without a
 // summarizer.
 func TestStepZeroProperties(t *testing.T) {
-	seeds := 30
+	seeds := 16
 	if testing.Short() {
-		seeds = 6
+		seeds = 4
 	}
 	for _, summarize := range []bool{true, false} {
 		for k := 0; k <= 6; k += 2 {
