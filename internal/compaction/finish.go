@@ -32,6 +32,9 @@ func (r *run) finish(out Output, p plan, cur int) Output {
 	out.Action = r.actions(p)
 	out.Reduced, out.ResetAt = r.accounting(p)
 	out.CacheReset = out.ResetAt >= 0 && out.ResetAt < r.previousLen()
+	if out.CacheReset {
+		out.ResetTokens = max(cur-r.est(r.prefixView(p, out.ResetAt)), 0)
+	}
 	if r.changed() && r.chain {
 		r.store(p)
 	}

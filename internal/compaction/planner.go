@@ -326,6 +326,11 @@ type Output struct {
 	// from there uncached once (cache_resets_total).
 	ResetAt    int
 	CacheReset bool
+	// ResetTokens estimates what a cache reset makes the provider read
+	// uncached once: Messages from ResetAt on (0 without a reset). Set
+	// against Reduced, which every later step saves, it is what the
+	// decision must pay back.
+	ResetTokens int
 	// State is the conversation's state to save when StateChanged.
 	State        State
 	StateChanged bool

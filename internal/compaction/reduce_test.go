@@ -131,6 +131,8 @@ func checkStepZero(t *testing.T, seed int64, keepTail int, summarize bool) {
 	allChain := chainOf(t, all)
 	window := max(fakeEstimate(all).Tokens*(25+r.Intn(80))/100, 800)
 	var st State
+	var prev []chat.Message
+	prevN, prevFwd := 0, 0
 	for _, n := range requestPoints(conv) {
 		clock.Add(5 * time.Second)
 		msgs := all[:n:n]
@@ -138,6 +140,24 @@ func checkStepZero(t *testing.T, seed int64, keepTail int, summarize bool) {
 			Window: window, Estimate: fakeEstimate})
 		where := fmt.Sprintf("seed %d K %d summarize %v n %d window %d", seed, keepTail, summarize, n, window)
 		v := out.Messages
+		// Decisions are re-applied byte for byte: a decision that changed
+		// nothing (ResetAt −1) extends the previous forwarded view.
+		if out.ResetAt < 0 && prev != nil {
+			for i := range prev {
+				if i >= len(v) || string(v[i].Raw) != string(prev[i].Raw) {
+					t.Fatalf("%s: forwarded prefix changed at %d without a reset (%s)", where, i, out.Action)
+				}
+			}
+		}
+		prev = v
+		// What was stored is re-applied: the next view starts from what
+		// was forwarded, plus what the client appended.
+		if prevN > 0 {
+			if grown := prevFwd + fakeEstimate(msgs[prevN:]).Tokens + 64; out.Context.Tokens > grown {
+				t.Fatalf("%s: context %d, more than the %d forwarded before and the %d messages appended", where, out.Context.Tokens, prevFwd, n-prevN)
+			}
+		}
+		prevN, prevFwd = n, out.Forwarded
 		if out.Events.InvariantFailure || violations(v) != 0 {
 			t.Fatalf("%s: pairing violation in %s", where, roles(v))
 		}

@@ -256,8 +256,8 @@ func (s *scriptSession) run(line string) string {
 		return fmt.Sprintf("%d messages\n", len(s.msgs)+1)
 	case "reduced":
 		r := s.lastOut.Reduced
-		return fmt.Sprintf("dedupe=%d mask=%d trim=%d summarize=%d drop=%d reset_at=%d cache_reset=%v\n",
-			r.Dedupe, r.Mask, r.Trim, r.Summarize, r.Drop, s.lastOut.ResetAt, s.lastOut.CacheReset)
+		return fmt.Sprintf("dedupe=%d mask=%d trim=%d summarize=%d drop=%d reset_at=%d cache_reset=%v reset_tokens=%d\n",
+			r.Dedupe, r.Mask, r.Trim, r.Summarize, r.Drop, s.lastOut.ResetAt, s.lastOut.CacheReset, s.lastOut.ResetTokens)
 	case "steps":
 		k, _ := strconv.Atoi(f[1])
 		for range k {
