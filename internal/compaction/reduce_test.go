@@ -319,6 +319,14 @@ func TestDedupeKeepsShape(t *testing.T) {
 	if string(got.Raw) != want {
 		t.Fatalf("pointer:\n got %s\nwant %s", got.Raw, want)
 	}
+	if len(out.State.Trims) != 1 {
+		t.Fatalf("records: %+v", out.State.Trims)
+	}
+	if tr := out.State.Trims[0]; tr.Masked() || tr.Index != 3 {
+		t.Fatalf("record %+v", tr)
+	} else if later, ok := tr.PointsTo(); !ok || later != 7 {
+		t.Fatalf("record %+v points to %d (%v), want 7", tr, later, ok)
+	}
 	in.State = out.State
 	again := pl.Plan(in)
 	if string(again.Messages[3].Raw) != want || again.StateChanged || again.CacheReset {

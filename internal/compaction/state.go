@@ -108,6 +108,19 @@ type Trim struct {
 	Keep int
 }
 
+// Masked tells whether the record is a mask: the result is forwarded as a
+// placeholder naming its call.
+func (t Trim) Masked() bool { return t.Keep == keepMask }
+
+// PointsTo returns the client position of the later result a dedupe
+// record points to; ok is false for an excerpt or a mask.
+func (t Trim) PointsTo() (later int, ok bool) {
+	if t.Keep < 0 {
+		return t.Index - t.Keep, true
+	}
+	return 0, false
+}
+
 // covers is the last client position the record depends on: the message,
 // or for a pointer the later result it names.
 func (t Trim) covers() int {
