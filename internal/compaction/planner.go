@@ -531,11 +531,7 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 	// view is over the trigger no duplicate bytes go out), then mask; not
 	// in the head a ready background summary replaces (see step 1).
 	if cfg.Dedupe {
-		from := headStart
-		if r.readyPending(*p, *p, headStart, cur).ok {
-			from = r.st.Pending.Cut
-		}
-		if cur = r.dedupe(p, from, r.tail, cur); cur < target {
+		if cur = r.dedupe(p, r.pendingFrom(*p, headStart, cur), r.tail, cur); cur < target {
 			return cur
 		}
 	}
@@ -560,10 +556,7 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 	// summary (step 2, no model call), and a trim there would change the
 	// forwarded prefix (the upstream re-evaluates everything after it)
 	// only to keep that summary stored until a later crossing, older.
-	trimFrom := headStart
-	if r.readyPending(*p, *p, headStart, cur).ok {
-		trimFrom = r.st.Pending.Cut
-	}
+	trimFrom := r.pendingFrom(*p, headStart, cur)
 	// 0. Mask old results (no model call, the model can call again) before
 	// any excerpt or summary.
 	if cfg.Mask {
@@ -603,6 +596,15 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 		}
 	}
 	return r.overBudget(p, cur, budget, target)
+}
+
+// pendingFrom is where the cheap steps may start: headStart, or the cut
+// of a ready background summary (its head is replaced whole).
+func (r *run) pendingFrom(p plan, headStart, cur int) int {
+	if r.readyPending(p, p, headStart, cur).ok {
+		return r.st.Pending.Cut
+	}
+	return headStart
 }
 
 // overBudget is what runs when nothing before it brought the view under

@@ -222,53 +222,20 @@ type reductions struct {
 	working []bool
 }
 
+// group counts the results of one kind (the same text, file or command)
+// and where the latest is.
+type group struct{ last, count int }
+
 // reductions computes (once per run) the duplicates and the working set.
 // Linear in the view (one digest per tool result, maps by key).
 func (r *run) reductions() *reductions {
 	if r.red != nil {
 		return r.red
 	}
-	calls := r.calls()
+	t := r.tallied()
 	red := &reductions{later: make([]int, r.n), working: make([]bool, r.n)}
-	type group struct{ last, count int }
-	byBody := map[[32]byte]*group{}
-	byRead := map[[2]string]*group{} // tool, path
-	byCmd := map[[2]string]*group{}  // tool, arguments
-	edited := map[string]bool{}
-	bump := func(m map[[2]string]*group, k [2]string, i int) {
-		if g := m[k]; g != nil {
-			g.last, g.count = i, g.count+1
-		} else {
-			m[k] = &group{last: i, count: 1}
-		}
-	}
-	bodies := make([][32]byte, r.n)
-	for i := r.lead; i < r.n; i++ {
+	for i := range red.later {
 		red.later[i] = -1
-		m := &r.msgs[i]
-		if m.Role != "tool" {
-			continue
-		}
-		c := calls[i]
-		if trimmable(m) {
-			bodies[i] = bodyDigest(m)
-			if g := byBody[bodies[i]]; g != nil {
-				g.last, g.count = i, g.count+1
-			} else {
-				byBody[bodies[i]] = &group{last: i, count: 1}
-			}
-		}
-		if !c.known {
-			continue
-		}
-		switch {
-		case c.edit && c.path != "":
-			edited[c.path] = true
-		case c.path != "":
-			bump(byRead, [2]string{c.name, c.path}, i)
-		default:
-			bump(byCmd, [2]string{c.name, c.args}, i)
-		}
 	}
 	// First the pointers (the latest repeat wins), then the working set:
 	// the latest of what was repeated, when nothing later supersedes it.
@@ -277,11 +244,11 @@ func (r *run) reductions() *reductions {
 		if m.Role != "tool" {
 			continue
 		}
-		if g := byBody[bodies[i]]; trimmable(m) && g.count > 1 && g.last != i {
+		if g := t.byBody[t.bodies[i]]; trimmable(m) && g.count > 1 && g.last != i {
 			red.later[i] = g.last
 		}
-		if c := calls[i]; c.known && !c.edit && c.path != "" {
-			if g := byRead[[2]string{c.name, c.path}]; g.last != i {
+		if c := t.calls[i]; c.known && !c.edit && c.path != "" {
+			if g := t.byRead[[2]string{c.name, c.path}]; g.last != i {
 				red.later[i] = max(red.later[i], g.last)
 			}
 		}
@@ -291,21 +258,67 @@ func (r *run) reductions() *reductions {
 		if m.Role != "tool" || red.later[i] >= 0 {
 			continue
 		}
-		c := calls[i]
-		switch g := byBody[bodies[i]]; {
+		c := t.calls[i]
+		switch g := t.byBody[t.bodies[i]]; {
 		case trimmable(m) && g.count > 1:
 			red.working[i] = true
 		case !c.known || c.edit:
 		case c.path != "":
-			g := byRead[[2]string{c.name, c.path}]
-			red.working[i] = g.count > 1 || edited[c.path]
+			g := t.byRead[[2]string{c.name, c.path}]
+			red.working[i] = g.count > 1 || t.edited[c.path]
 		default:
-			g := byCmd[[2]string{c.name, c.args}]
+			g := t.byCmd[[2]string{c.name, c.args}]
 			red.working[i] = g.count > 1 && g.last == i
 		}
 	}
 	r.red = red
 	return red
+}
+
+// tally is the view's tool results grouped: by text (without the
+// envelope), by file read (tool, path), by command (tool, arguments); and
+// the files an edit named.
+type tally struct {
+	calls         []call
+	bodies        [][32]byte
+	byBody        map[[32]byte]*group
+	byRead, byCmd map[[2]string]*group
+	edited        map[string]bool
+}
+
+// tallied groups the view's tool results (one digest per text result).
+func (r *run) tallied() *tally {
+	t := &tally{calls: r.calls(), bodies: make([][32]byte, r.n), byBody: map[[32]byte]*group{},
+		byRead: map[[2]string]*group{}, byCmd: map[[2]string]*group{}, edited: map[string]bool{}}
+	bump := func(g *group, i int) *group {
+		if g == nil {
+			return &group{last: i, count: 1}
+		}
+		g.last, g.count = i, g.count+1
+		return g
+	}
+	for i := r.lead; i < r.n; i++ {
+		m := &r.msgs[i]
+		if m.Role != "tool" {
+			continue
+		}
+		if trimmable(m) {
+			t.bodies[i] = bodyDigest(m)
+			t.byBody[t.bodies[i]] = bump(t.byBody[t.bodies[i]], i)
+		}
+		switch c := t.calls[i]; {
+		case !c.known:
+		case c.edit && c.path != "":
+			t.edited[c.path] = true
+		case c.path != "":
+			k := [2]string{c.name, c.path}
+			t.byRead[k] = bump(t.byRead[k], i)
+		default:
+			k := [2]string{c.name, c.args}
+			t.byCmd[k] = bump(t.byCmd[k], i)
+		}
+	}
+	return t
 }
 
 // reduced returns message i as a reduction record of keep (≤ 0) renders
