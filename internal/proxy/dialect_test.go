@@ -13,6 +13,8 @@ import (
 	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
 	"github.com/compactproxy/compactproxy/internal/pairing"
+	"github.com/compactproxy/compactproxy/internal/upstream"
+	"github.com/compactproxy/compactproxy/internal/wire"
 )
 
 // dialectUpstream is a Responses + Messages provider with an enforced
@@ -403,6 +405,24 @@ func TestAnthropicUpstreamKey(t *testing.T) {
 	}
 }
 
+// TestAnthropicUpstreamKeyOnPassThrough: pass-through routes (Claude
+// Code's count_tokens, models) carry the proxy's upstream key in
+// Anthropic's own header too, never as a Bearer token Anthropic ignores.
+func TestAnthropicUpstreamKeyOnPassThrough(t *testing.T) {
+	up := newDialectUpstream(t, 4000)
+	cfg := testConfig(up.URL)
+	cfg.Upstream.Dialect = "anthropic"
+	cfg.Upstream.APIKey = "sk-ant-upstream"
+	cfg.Auth.AllowAnonymous = true
+	p := newTestProxy(t, cfg)
+	resp := p.post(t, "/v1/messages/count_tokens", `{"model":"m","messages":[{"role":"user","content":"hi"}]}`, "X-Api-Key", "sk-client")
+	readAll(t, resp)
+	h := up.last(t).Header
+	if h.Get("X-Api-Key") != "sk-ant-upstream" || h.Get("Authorization") != "" {
+		t.Fatalf("%d: count_tokens reached the upstream with X-Api-Key %q, Authorization %q; want the upstream key in X-Api-Key only", resp.StatusCode, h.Get("X-Api-Key"), h.Get("Authorization"))
+	}
+}
+
 // TestDialectSummarizeCallShape: the summarize call continues the client's
 // own request in its dialect, without the fields that would shape or cut
 // the summary (llama-server's n_predict, Anthropic's thinking budget).
@@ -453,7 +473,7 @@ func TestStreamErrorEventPerDialect(t *testing.T) {
 		chat.DialectResponses: `event: error` + "\n" + `data: {"type":"error","code":"upstream_timeout","message":"compactproxy: the upstream broke off the stream (upstream timed out)"}`,
 		chat.DialectMessages:  `event: error` + "\n" + `data: {"type":"error","error":{"type":"api_error","message":"compactproxy: the upstream broke off the stream (upstream timed out)"}}`,
 	} {
-		if got := string(streamErrorEvent(d, failTimeout)); got != want+"\n\n" {
+		if got := string(streamErrorEvent(wire.For(d), upstream.FailTimeout)); got != want+"\n\n" {
 			t.Errorf("%s: %q, want %q", d, got, want+"\n\n")
 		}
 	}

@@ -7,6 +7,8 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+
+	"github.com/compactproxy/compactproxy/internal/wire"
 )
 
 // fullResponse is a Responses response object as OpenAI's stream events
@@ -36,8 +38,8 @@ func TestEarlyFailureHoldsFullSizeEvents(t *testing.T) {
 	stream := "event: response.created\ndata: {\"type\":\"response.created\",\"sequence_number\":0,\"response\":" + created + "}\n\n" +
 		"event: response.in_progress\ndata: {\"type\":\"response.in_progress\",\"sequence_number\":1,\"response\":" + created + "}\n\n" +
 		"event: response.failed\ndata: {\"type\":\"response.failed\",\"sequence_number\":2,\"response\":" + fullResponse("failed", overflowError) + "}\n\n"
-	replay, failed, env := earlyFailure(io.NopCloser(strings.NewReader(stream)))
-	if !failed || !bytes.Contains(env, []byte("context_length_exceeded")) {
+	replay, env := wire.ResponsesAPI.HoldEarly(io.NopCloser(strings.NewReader(stream)))
+	if failed := env != nil; !failed || !bytes.Contains(env, []byte("context_length_exceeded")) {
 		t.Fatalf("failed = %v, envelope %.200s: the response.failed after 20 KB events was not found", failed, env)
 	}
 	all, _ := io.ReadAll(replay)
@@ -61,12 +63,12 @@ func (e *endless) Read(p []byte) (int, error) {
 // then relayed (not held in memory whole).
 func TestEarlyFailureBounded(t *testing.T) {
 	src := &endless{}
-	replay, failed, _ := earlyFailure(io.NopCloser(io.MultiReader(strings.NewReader("data: "), src)))
-	if failed {
+	replay, env := wire.ResponsesAPI.HoldEarly(io.NopCloser(io.MultiReader(strings.NewReader("data: "), src)))
+	if env != nil {
 		t.Fatal("an endless line read as a failure")
 	}
-	if src.n > maxEarlyHold+64<<10 {
-		t.Fatalf("%d bytes read before the answer was relayed; the bound is %d", src.n, maxEarlyHold)
+	if src.n > wire.MaxEarlyHold+64<<10 {
+		t.Fatalf("%d bytes read before the answer was relayed; the bound is %d", src.n, wire.MaxEarlyHold)
 	}
 	head := make([]byte, 10)
 	if _, err := io.ReadFull(replay, head); err != nil || string(head) != "data: aaaa" {
