@@ -118,9 +118,9 @@ func BenchmarkCompactMaskPath(b *testing.B) {
 	cfg := baseConfig()
 	cfg.Dedupe, cfg.Mask = true, true
 	e := newDriver(cfg, okSummarizer(), newClock())
-	in := Input{Messages: msgs, Chain: chain, Window: 300000, Estimate: fakeEstimate}
+	in := compaction.Input{Messages: msgs, Chain: chain, Window: 300000, Estimate: fakeEstimate}
 	first := e.Compact(context.Background(), in)
-	if first.Action != ActionMasked || first.Forwarded >= first.Target {
+	if first.Action != compaction.ActionMasked || first.Forwarded >= first.Target {
 		b.Fatalf("action %q forwarded %d target %d", first.Action, first.Forwarded, first.Target)
 	}
 	b.Run("decide", func(b *testing.B) {
