@@ -10,8 +10,10 @@ import (
 	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/compaction"
 	"github.com/compactproxy/compactproxy/internal/driver"
+	"github.com/compactproxy/compactproxy/internal/metrics"
 	"github.com/compactproxy/compactproxy/internal/upstream"
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 )
 
 // identify is the identify stage: the request's conversation (its opaque
@@ -125,6 +127,9 @@ func (s *Server) report(cr *chatRequest, cv *conversation, pass compaction.Pass)
 	cr.respHeaders.Set("X-Compactproxy-Context-Tokens", strconv.Itoa(out.Context.Tokens))
 	cr.respHeaders.Set("X-Compactproxy-Context-Source", out.Context.Source)
 	cr.respHeaders.Set("X-Compactproxy-Forwarded-Tokens", strconv.Itoa(out.Forwarded))
+	// Every forwarded decision, an overflow retry's included (not a
+	// preview's): what each step removed and whether it reset the cache.
+	s.countReduction(out)
 	if !first {
 		return // the overflow retry: counted once, on the first pass
 	}
@@ -141,6 +146,33 @@ func (s *Server) report(cr *chatRequest, cv *conversation, pass compaction.Pass)
 	}
 	s.metrics.ContextTokens.Observe(float64(out.Context.Tokens))
 	s.metrics.ForwardedTokens.Observe(float64(out.Forwarded))
+}
+
+// countReduction adds a forwarded decision's reductions by step to
+// reduced_tokens_total and its cache reset to cache_resets_total.
+func (s *Server) countReduction(out compaction.Output) {
+	r := out.Reduced
+	for i, n := range []int{r.Dedupe, r.Mask, r.Trim, r.Summarize, r.Drop} {
+		if n > 0 {
+			s.metrics.ReducedTokens.WithLabelValues(metrics.ReducedSteps[i]).Add(float64(n))
+		}
+	}
+	if out.CacheReset {
+		s.metrics.CacheResets.Inc()
+	}
+}
+
+// reduction logs what a decision removed by step (the steps that removed
+// something), as reduced_tokens_total names them.
+type reduction compaction.Reduction
+
+func (r reduction) MarshalLogObject(enc zapcore.ObjectEncoder) error {
+	for i, n := range []int{r.Dedupe, r.Mask, r.Trim, r.Summarize, r.Drop} {
+		if n > 0 {
+			enc.AddInt(metrics.ReducedSteps[i], n)
+		}
+	}
+	return nil
 }
 
 // recoverOnce is the recovery stage (DESIGN step 5): when err is the

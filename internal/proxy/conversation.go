@@ -575,6 +575,10 @@ func (s *Server) countCompaction(reqID, conversation string, out compaction.Outp
 		if ev.SummaryError != nil {
 			fields = append(fields, zap.String("summarize_error", summarizeErrorKind(ev.SummaryError)))
 		}
+		fields = append(fields, zap.Object("reduced_tokens", reduction(out.Reduced)), zap.Bool("cache_reset", out.CacheReset))
+		if out.CacheReset {
+			fields = append(fields, zap.Int("reset_tokens", out.ResetTokens))
+		}
 		s.log.Info("compaction", fields...)
 	}
 }
