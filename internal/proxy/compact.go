@@ -114,7 +114,7 @@ func (s *Server) report(cr *chatRequest, cv *conversation, pass compaction.Pass)
 		// Forwarded without the summary that is due (it is being made
 		// elsewhere, or the state is unreadable): say what the view
 		// carries instead.
-		action = viewAction(cr.client, out.Messages)
+		action = viewAction(cr.client, out.Messages, out.State.Trims)
 	}
 	if action == "" || s.cfg.Compaction.Mode == "shadow" {
 		action = "none"

@@ -501,8 +501,9 @@ func (s *Server) recordAnchor(ctx context.Context, reqID string, cv *conversatio
 // viewAction names the strongest compaction a forwarded view carries
 // compared with the client's, in the header's order (a summary message,
 // one the proxy synthesized, is a re-applied summary here: a summary made
-// now is reported by the planner).
-func viewAction(client, forwarded []chat.Message) string {
+// now is reported by the planner); trims are the lineage's records, which
+// tell placeholders and pointers from excerpts.
+func viewAction(client, forwarded []chat.Message, trims []compaction.Trim) string {
 	if sameView(client, forwarded) {
 		return "none"
 	}
@@ -514,7 +515,27 @@ func viewAction(client, forwarded []chat.Message) string {
 	if len(forwarded) < len(client) {
 		return string(compaction.ActionDropped)
 	}
+	if stepZeroOnly(client, forwarded, trims) {
+		return string(compaction.ActionMasked)
+	}
 	return string(compaction.ActionTrimmed)
+}
+
+// stepZeroOnly tells whether every message forwarded changed (same
+// positions, no drop) is one that trims names as a placeholder or a
+// pointer (step 0), not an excerpt.
+func stepZeroOnly(client, forwarded []chat.Message, trims []compaction.Trim) bool {
+	zero := map[int]bool{}
+	for _, t := range trims {
+		_, pointer := t.PointsTo()
+		zero[t.Index] = t.Masked() || pointer
+	}
+	for i := range forwarded {
+		if i < len(client) && !bytes.Equal(client[i].Raw, forwarded[i].Raw) && !zero[i] {
+			return false
+		}
+	}
+	return true
 }
 
 // sameMeasurement reports whether two anchors measure the same prefix with

@@ -1,7 +1,15 @@
 package proxy
 
 import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"slices"
+	"strings"
 	"testing"
+
+	"github.com/compactproxy/compactproxy/internal/chat"
+	"github.com/compactproxy/compactproxy/internal/compaction"
 )
 
 // maskingProxy is a proxy with dedupe and mask on (mode: enforce or
@@ -104,5 +112,79 @@ func TestShadowCountsReduction(t *testing.T) {
 	}
 	if v := counter(t, p.reg, "compactproxy_reduced_tokens_total", map[string]string{"step": "mask"}); v <= 0 {
 		t.Errorf("shadow: reduced_tokens_total{mask} = %v, want > 0", v)
+	}
+}
+
+// The conversation read lists step 0's records apart from excerpts: masks
+// by position, dedupe pointers with the later result they point to.
+func TestConversationStateListsMasksAndDedupes(t *testing.T) {
+	up := countingUpstream(t)
+	cfg := testConfig(up.URL)
+	cfg.Upstream.ContextWindow = 6000
+	cfg.Compaction.ReserveTokens = 500
+	cfg.Compaction.Summarizer.Enabled = false
+	cfg.Compaction.Dedupe, cfg.Compaction.Mask = true, true
+	p := newTestProxy(t, cfg)
+	msgs := []string{`{"role":"user","content":"review every file"}`}
+	call := func(i int, file string) {
+		msgs = append(msgs,
+			fmt.Sprintf(`{"role":"assistant","content":null,"tool_calls":[{"id":"call_%d","type":"function","function":{"name":"read_file","arguments":"{\"path\":\"%s\"}"}}]}`, i, file),
+			fmt.Sprintf(`{"role":"tool","tool_call_id":"call_%d","content":%q}`, i, strings.Repeat(fmt.Sprintf("%s line %d; ", file, i), 180)))
+	}
+	call(0, "a.go") // position 2: read again at position 14
+	for i := 1; i < 6; i++ {
+		call(i, fmt.Sprintf("f%d.go", i))
+	}
+	call(6, "a.go")
+	for i := 7; i < 10; i++ {
+		call(i, fmt.Sprintf("f%d.go", i))
+	}
+	msgs = append(msgs, `{"role":"user","content":"continue"}`)
+	body := `{"model":"m","messages":[` + strings.Join(msgs, ",") + `]}`
+	resp, out := p.send(t, "POST", "/v1/chat/completions", body, "Authorization", "Bearer k", "X-Session-Id", "s")
+	if resp.StatusCode != 200 || resp.Header.Get("X-Compactproxy-Compaction") != "masked" {
+		t.Fatalf("not masked: %d %q %s", resp.StatusCode, resp.Header.Get("X-Compactproxy-Compaction"), out)
+	}
+	resp, out = p.send(t, "GET", "/v1/compactproxy/conversations/s", "", "Authorization", "Bearer k")
+	var st conversationState
+	if resp.StatusCode != 200 || json.Unmarshal(out, &st) != nil || len(st.Lineages) != 1 {
+		t.Fatalf("GET: %d %s", resp.StatusCode, out)
+	}
+	l := st.Lineages[0]
+	if len(l.Trims) != 0 || len(l.Masks) == 0 || len(l.Dedupes) != 1 || l.Dedupes[0] != (dedupeState{Index: 2, PointsTo: 14}) {
+		t.Errorf("lineage %s: want no excerpts, masks, and one pointer from 2 to 14", out)
+	}
+	if !bytes.Contains(out, []byte(`"masks":[`)) || !bytes.Contains(out, []byte(`"dedupes":[{"index":2,"points_to":14}]`)) {
+		t.Errorf("body %s: want masks and dedupes", out)
+	}
+}
+
+// A view forwarded without the summary that is due names what it carries:
+// masked when every changed message is a stored placeholder or pointer,
+// trimmed when one is an excerpt (or any change without a record).
+func TestViewActionMasked(t *testing.T) {
+	msg := func(i int, raw string) chat.Message { return chat.Message{Raw: []byte(raw), Index: i} }
+	client := []chat.Message{msg(0, "u"), msg(1, "call"), msg(2, "result one"), msg(3, "call"), msg(4, "result two"), msg(5, "u2")}
+	changed := func(at ...int) []chat.Message {
+		out := slices.Clone(client)
+		for _, i := range at {
+			out[i] = msg(i, "reduced")
+		}
+		return out
+	}
+	cases := []struct {
+		fwd   []chat.Message
+		trims []compaction.Trim
+		want  string
+	}{
+		{changed(2, 4), []compaction.Trim{{Index: 2, Keep: 0}, {Index: 4, Keep: -2}}, "masked"},
+		{changed(2, 4), []compaction.Trim{{Index: 2, Keep: 0}, {Index: 4, Keep: 100}}, "trimmed"},
+		{changed(2, 4), []compaction.Trim{{Index: 2, Keep: 0}}, "trimmed"},
+		{client, []compaction.Trim{{Index: 2, Keep: 0}}, "none"},
+	}
+	for i, c := range cases {
+		if got := viewAction(client, c.fwd, c.trims); got != c.want {
+			t.Errorf("case %d: %q, want %q", i, got, c.want)
+		}
 	}
 }
