@@ -148,6 +148,18 @@ func (s *Server) report(cr *chatRequest, cv *conversation, pass compaction.Pass)
 	s.metrics.ForwardedTokens.Observe(float64(out.Forwarded))
 }
 
+// excerpts counts the trims that are excerpts (not step 0's placeholders
+// and pointers).
+func excerpts(trims []compaction.Trim) int {
+	n := 0
+	for _, t := range trims {
+		if _, pointer := t.PointsTo(); !t.Masked() && !pointer {
+			n++
+		}
+	}
+	return n
+}
+
 // countReduction adds a forwarded decision's reductions by step to
 // reduced_tokens_total and its cache reset to cache_resets_total.
 func (s *Server) countReduction(out compaction.Output) {

@@ -583,7 +583,7 @@ func (s *Server) countCompaction(reqID, conversation string, out compaction.Outp
 	}
 	if len(ev.NewActions) > 0 || ev.SummarizeCalled || ev.InvariantFailure {
 		fields := []zap.Field{zap.String("request_id", reqID), zap.String("conversation", conversation),
-			zap.String("action", string(out.Action)), zap.Int("cut", stateCut(out.State)), zap.Int("trims", len(out.State.Trims)),
+			zap.String("action", string(out.Action)), zap.Int("cut", stateCut(out.State)), zap.Int("trims", excerpts(out.State.Trims)),
 			zap.Int("context_tokens", out.Context.Tokens), zap.Int("forwarded_tokens", out.Forwarded),
 			zap.Int("budget", out.Budget)}
 		if len(ev.NewActions) > 0 {
