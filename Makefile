@@ -14,7 +14,7 @@ help:
 	@echo "make build     static binary in $(BIN) (CGO off, -trimpath, version $(VERSION))"
 	@echo "make run       go run ./cmd/compactproxy (upstream: llama-server at http://127.0.0.1:8080/v1 unless COMPACTPROXY_UPSTREAM_URL is set)"
 	@echo "make test      e2e dependencies + go test -race -count=1 ./... (what CI runs)"
-	@echo "make agent-matrix  the real-agent test's whole matrix, opencode's and Codex/Claude Code's large reads included (not part of make test)"
+	@echo "make agent-matrix  the real-agent test's whole matrix, opencode's and Codex/Claude Code's large reads and the token-economy report included (not part of make test)"
 	@echo "make bench     go test benchmarks + load harness (not part of make test)"
 	@echo "make bench-profile  pprof CPU profile of compactproxy under the harness (PROFILE_SCENARIO, PROFILE_CONCURRENCY)"
 	@echo "make soak      1,000 streams for 60 s, direct vs through compactproxy (not part of make test)"
@@ -84,9 +84,13 @@ llama-matrix: e2e-deps
 # large_reads), qwen-code at 16k and 32k (make test runs both), Codex CLI and
 # Claude Code at 40k with larger reads too (make test runs one read size
 # each). Run as root on linux-x64 for opencode, qwen-code, Codex and Claude
-# Code (they run in network namespaces of their own).
+# Code (they run in network namespaces of their own). With them the
+# token-economy report (TestAgentEconomy: five agents x two workloads x a
+# tight and a roomy window, direct and through compactproxy), appended to
+# AGENT_REPORT (default agent-report.md).
 agent-matrix: agent-deps
-	AGENT_MATRIX=1 $(GO) test -count=1 -timeout 30m -v -run 'TestRealAgentThroughCompactproxy|TestCodexAndClaudeCode' ./test/agent/
+	AGENT_MATRIX=1 AGENT_REPORT=$${AGENT_REPORT:-$(CURDIR)/agent-report.md} \
+		$(GO) test -count=1 -timeout 90m -v -run 'TestRealAgentThroughCompactproxy|TestCodexAndClaudeCode|TestAgentEconomy' ./test/agent/
 
 # Not part of `make test`. bench-go: go test benchmarks (parse and rewrite
 # path); bench-load: the load harness (mock upstream, bare proxy, compactproxy;

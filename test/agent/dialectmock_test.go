@@ -706,8 +706,13 @@ func (m *dialectMock) responsesStep(items []responsesItem, steps [][]dcall) (int
 		return step, problems
 	}
 	last := items[len(items)-1]
-	if last.Type == "message" && last.Role == "user" && strings.Contains(itemText(last), m.prompt) {
+	if last.Type == "message" && last.Role == "user" && strings.Contains(itemText(last), m.prompt) && m.resumeStep() == 0 {
 		return 0, nil
+	}
+	if last.Type == "message" && last.Role == "user" && m.resumeStep() > 0 {
+		// Codex CLI going on after its own compaction (told its window):
+		// a summary in a user message, no tool output to tell by.
+		return m.resumeStep(), nil
 	}
 	return -1, []string{fmt.Sprintf("the input ends on a %s item (role %q) that is neither the task nor a tool output", last.Type, last.Role)}
 }

@@ -321,8 +321,11 @@ type econRow struct {
 	HasCacheWrite                           bool
 	Summarize, SelfCompact, Resets          int
 	Non200, Rereads                         int
-	// Ratio5, Ratio8: through ÷ direct cost (set on the through row).
+	// Ratio5, Ratio8: through ÷ direct cost (set on the through row);
+	// DirectStopped: the direct run did not finish, so it paid for fewer
+	// steps.
 	Ratio5, Ratio8 float64
+	DirectStopped  bool
 }
 
 // cost is the run's cost in units: uncached input 1, cache read 0.1,
@@ -339,6 +342,7 @@ type econReq struct {
 	Prompt, Cached, CacheWrite int
 	Step                       int
 	Pairing, Problems          []string
+	Body                       []byte
 }
 
 // econFromChat reads the chat mock's records.
@@ -346,7 +350,7 @@ func econFromChat(ups []upstreamReq, window int) []econReq {
 	var out []econReq
 	for _, u := range ups {
 		e := econReq{Kind: kindAgent, Status: u.Status, Overflow: u.Status == http.StatusBadRequest && u.Prompt > window,
-			Prompt: u.Prompt, Cached: u.Cached, Step: u.Step, Problems: u.Problems}
+			Prompt: u.Prompt, Cached: u.Cached, Step: u.Step, Problems: u.Problems, Body: u.Body}
 		switch {
 		case u.Summarize:
 			e.Kind = kindSummarize
@@ -369,7 +373,7 @@ func econFromDialect(ups []dreq) []econReq {
 	var out []econReq
 	for _, u := range ups {
 		e := econReq{Kind: u.Kind, Status: u.Status, Overflow: u.Overflow, Prompt: u.Prompt, Cached: u.Cached, Step: u.Step,
-			Pairing: u.Pairing, Problems: u.Problems}
+			Pairing: u.Pairing, Problems: u.Problems, Body: u.Body}
 		if strings.HasPrefix(u.Path, "/v1/messages") {
 			e.CacheWrite = (u.Prompt - u.Cached) / 2
 		}
@@ -433,6 +437,9 @@ func (r econRow) tableLine() string {
 	}
 	if r.How == "through" && r.Ratio5 > 0 {
 		ratio5, ratio8 = fmt.Sprintf("**%.2f**", r.Ratio5), fmt.Sprintf("%.2f", r.Ratio8)
+		if r.DirectStopped {
+			ratio5 += " (direct stopped)"
+		}
 	}
 	fin := "yes"
 	if !r.Finished {
@@ -478,6 +485,7 @@ func TestAgentEconomy(t *testing.T) {
 					t.Run("through_compactproxy", func(t *testing.T) { through = econRun(t, root, bin, a, wl, size, window, true) })
 					through.Ratio5 = through.cost(5) / direct.cost(5)
 					through.Ratio8 = through.cost(8) / direct.cost(8)
+					through.DirectStopped = !direct.Finished
 					t.Logf("economy:\n%s\n%s\n%s", econTableHeader(), direct.tableLine(), through.tableLine())
 					rows = append(rows, direct, through)
 				})
@@ -578,6 +586,12 @@ func econRun(t *testing.T, root, bin string, a econAgent, wl, size string, windo
 		os.WriteFile(base+".agent.log", []byte(run.stdout+"\n--- stderr ---\n"+run.stderr), 0o644)
 		if proxy != nil {
 			os.WriteFile(base+".proxy.log", []byte(proxy.Log()), 0o644)
+		}
+		// Every body the mock received, for a reproduction.
+		if err := os.MkdirAll(base, 0o755); err == nil {
+			for i, u := range reqs {
+				os.WriteFile(filepath.Join(base, fmt.Sprintf("mock-%03d-%s.json", i, u.Kind)), u.Body, 0o644)
+			}
 		}
 	}
 	if len(run.guard) > 0 {
