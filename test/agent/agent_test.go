@@ -765,7 +765,7 @@ func testCase(t *testing.T, root, bin string, c runCase) {
 		// previous one, so all of it but what was appended is cached.
 		byTurn := map[int][]upstreamReq{}
 		for _, u := range ups {
-			if !u.Aux {
+			if !u.Aux && !u.SelfCompact {
 				byTurn[u.Turn] = append(byTurn[u.Turn], u)
 			}
 		}
@@ -867,7 +867,7 @@ func testAgent(t *testing.T, root, bin string, c runCase, mc maxCase) {
 		switch {
 		case u.Summarize:
 			summarizes = append(summarizes, u)
-		case !u.Aux:
+		case !u.Aux && !u.SelfCompact:
 			byTurn[u.Turn] = append(byTurn[u.Turn], u)
 		}
 	}
@@ -897,7 +897,7 @@ func testAgent(t *testing.T, root, bin string, c runCase, mc maxCase) {
 	}
 	steps := map[int]bool{}
 	for _, u := range ups {
-		if !u.Summarize && !u.Aux && u.Status == http.StatusOK {
+		if !u.Summarize && !u.Aux && !u.SelfCompact && u.Status == http.StatusOK {
 			steps[u.Step] = true
 		}
 	}
