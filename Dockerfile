@@ -19,7 +19,8 @@ COPY --from=build /out/compactproxy /compactproxy
 # /data owned by nonroot (distroless has no shell to mkdir/chown at run time).
 COPY --from=build --chown=nonroot:nonroot /out/data /data
 USER nonroot:nonroot
-# Listen on all interfaces inside the container (the default :8081 already does).
+# Listen on all interfaces inside the container: the binary's own default is
+# 127.0.0.1:8081, which a published port or a Service cannot reach.
 ENV COMPACTPROXY_LISTEN=:8081
 # store.backend bolt keeps its file here; mount a volume to keep summaries
 # across container restarts (COMPACTPROXY_STORE_BACKEND=bolt).

@@ -11,21 +11,31 @@ LDFLAGS  := -s -w -X main.version=$(VERSION)
 all: lint test build
 
 help:
+	@echo "make all       lint, test and build"
 	@echo "make build     static binary in $(BIN) (CGO off, -trimpath, version $(VERSION))"
-	@echo "make run       go run ./cmd/compactproxy (upstream: llama-server at http://127.0.0.1:8080/v1 unless COMPACTPROXY_UPSTREAM_URL is set)"
+	@echo "make run       go run ./cmd/compactproxy on 127.0.0.1:8081 (upstream: llama-server at http://127.0.0.1:8080/v1 unless COMPACTPROXY_UPSTREAM_URL is set)"
 	@echo "make test      e2e dependencies + go test -race -count=1 ./... (what CI runs)"
+	@echo "make e2e-deps  the end-to-end tests' npm packages (npm ci from test/e2e's lockfile)"
+	@echo "make agent-deps  the real-agent test's agent CLIs (npm ci from test/agent's lockfile)"
+	@echo "make ops-deps  promtool and prometheus (apt-get install prometheus) for test/ops"
+	@echo "make redis-deps  redis-server (apt-get install redis-server) for the store tests"
 	@echo "make agent-matrix  the real-agent test's whole matrix, opencode's and Codex/Claude Code's large reads and the token-economy report included (not part of make test)"
-	@echo "make bench     go test benchmarks + load harness (not part of make test)"
+	@echo "make llama-matrix  the wide real llama-server matrix, 2k-32k, LLAMA_RUNS runs each (not part of make test)"
+	@echo "make bench     bench-go + bench-load (not part of make test)"
+	@echo "make bench-go  go test benchmarks of the parse and rewrite path"
+	@echo "make bench-load  the load harness: mock upstream, bare proxy, compactproxy"
 	@echo "make bench-profile  pprof CPU profile of compactproxy under the harness (PROFILE_SCENARIO, PROFILE_CONCURRENCY)"
 	@echo "make soak      1,000 streams for 60 s, direct vs through compactproxy (not part of make test)"
-	@echo "make llama-matrix  the wide real llama-server matrix, 2k-32k, LLAMA_RUNS runs each (not part of make test)"
 	@echo "make lint      gofmt check + go vet"
-	@echo "make docker    docker build -t $(IMAGE):$(VERSION) ."
+	@echo "make docker    docker build -t $(IMAGE):$(VERSION) -t $(IMAGE):latest ."
+	@echo "make clean     remove bin/"
+	@echo "make help      this list"
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) ./cmd/compactproxy
 
-# Needs nothing: upstream.url defaults to llama-server's own address,
+# Serves on 127.0.0.1:8081 (loopback only; ARGS=--listen=:8081 for every
+# interface). Needs nothing: upstream.url defaults to llama-server's own address,
 # http://127.0.0.1:8080/v1 (the start-up log line says which upstream is used,
 # /readyz whether it answers). Another upstream:
 #   COMPACTPROXY_UPSTREAM_URL=https://api.openai.com/v1 make run

@@ -39,7 +39,8 @@ var flagKeys = map[string]string{
 // variables and the flags in fset (already parsed). defaultFile is read when
 // --config is empty and it exists. It returns the file it read ("" = none).
 // It does not validate: `config` and `healthcheck` work on an incomplete
-// configuration too.
+// configuration too (serve and config check the environment first:
+// checkEnv).
 func loadConfig(fset *pflag.FlagSet, defaultFile string) (config.Config, string, error) {
 	v := viper.New()
 
@@ -80,11 +81,7 @@ func loadConfig(fset *pflag.FlagSet, defaultFile string) (config.Config, string,
 
 	var cfg config.Config
 	err := v.Unmarshal(&cfg, func(dc *mapstructure.DecoderConfig) {
-		dc.DecodeHook = mapstructure.ComposeDecodeHookFunc(
-			modelsFromJSON,
-			mapstructure.StringToTimeDurationHookFunc(),
-			commaList,
-		)
+		dc.DecodeHook = decodeHook()
 		// A misspelt key in the file is an error, not a silently ignored
 		// setting (env and flags only ever name known keys).
 		dc.ErrorUnused = true
@@ -93,6 +90,15 @@ func loadConfig(fset *pflag.FlagSet, defaultFile string) (config.Config, string,
 		return config.Config{}, file, fmt.Errorf("config: %w", err)
 	}
 	return cfg, file, nil
+}
+
+// decodeHook turns strings (environment values) into the config's types.
+func decodeHook() mapstructure.DecodeHookFunc {
+	return mapstructure.ComposeDecodeHookFunc(
+		modelsFromJSON,
+		mapstructure.StringToTimeDurationHookFunc(),
+		commaList,
+	)
 }
 
 // registerDefaults walks a Config value by its mapstructure tags and sets

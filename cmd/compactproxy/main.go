@@ -1,12 +1,14 @@
-// Command compactproxy is an OpenAI-compatible reverse proxy that compacts
-// chat-completions requests in flight.
+// Command compactproxy is a reverse proxy that compacts LLM requests in
+// flight: OpenAI chat completions, the Responses API and Anthropic Messages,
+// on their way to one upstream.
 //
 // Usage:
 //
 //	compactproxy [flags]              serve (the default)
-//	compactproxy version              print version and Go version
+//	compactproxy version              print version and Go version (also --version)
 //	compactproxy config [flags]       print the effective config as YAML, secrets [redacted]
 //	compactproxy healthcheck [flags]  exit 0 when /healthz answers 200, else 1
+//	compactproxy help                 print the usage
 //
 // Configuration precedence: flags > COMPACTPROXY_* environment > config file
 // (--config, else ./configs/compactproxy.yaml if present) > defaults.
@@ -50,17 +52,26 @@ func main() {
 	os.Exit(run(ctx, os.Args[1:], os.Stdout, os.Stderr))
 }
 
-const usageText = `compactproxy: OpenAI-compatible reverse proxy that compacts chat-completions requests.
+const usageText = `compactproxy: a reverse proxy that compacts LLM requests in flight, keeping an
+agent's conversation inside the model's context window. It serves three APIs:
+  OpenAI chat completions  POST /v1/chat/completions
+  the Responses API        POST /v1/responses
+  Anthropic Messages       POST /v1/messages
+and forwards to one upstream (llama-server, vLLM, OpenAI, Anthropic, ...);
+other /v1 paths pass through.
 
 Usage:
   compactproxy [flags]              serve (default)
-  compactproxy version              print the version
+  compactproxy version              print the version (also --version)
   compactproxy config [flags]       print the effective configuration (secrets [redacted])
   compactproxy healthcheck [flags]  GET /healthz; exit 0 on 200, else 1
+  compactproxy help                 print this help
 
 Configuration: flags > COMPACTPROXY_<KEY_PATH> environment variables
-(e.g. COMPACTPROXY_UPSTREAM_URL, COMPACTPROXY_COMPACTION_TRIGGER_RATIO)
+(e.g. COMPACTPROXY_UPSTREAM_URL, COMPACTPROXY_COMPACTION_TRIGGER_RATIO;
+a variable that names no setting is an error)
 > config file (--config, else ./configs/compactproxy.yaml if present) > defaults.
+It serves on 127.0.0.1:8081 unless --listen or COMPACTPROXY_LISTEN says otherwise.
 
 Flags:
 `
@@ -79,11 +90,15 @@ func newFlagSet(stderr io.Writer) *pflag.FlagSet {
 	fset.String("log-format", d.Log.Format, "json or console (log.format)")
 	fset.String("url", "", "healthcheck only: URL to GET instead of http://<listen>/healthz")
 	fset.Duration("timeout", 3*time.Second, "healthcheck only: request timeout")
-	fset.Usage = func() {
-		fmt.Fprint(stderr, usageText)
-		fset.PrintDefaults()
-	}
+	fset.Bool("version", false, "print the version and exit")
+	fset.Usage = func() { printUsage(stderr, fset) }
 	return fset
+}
+
+// printUsage writes the help text and every flag to w.
+func printUsage(w io.Writer, fset *pflag.FlagSet) {
+	fmt.Fprint(w, usageText)
+	fmt.Fprint(w, fset.FlagUsages())
 }
 
 // run is the whole program minus os.Exit, so tests drive it directly.
@@ -95,6 +110,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 		fmt.Fprintf(stderr, "compactproxy: %v\n", err)
 		return exitUsage
+	}
+	if v, _ := fset.GetBool("version"); v {
+		fmt.Fprintln(stdout, versionString())
+		return exitOK
 	}
 	cmd := fset.Arg(0)
 	if fset.NArg() > 1 {
@@ -111,6 +130,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 
 	switch cmd {
+	case "help":
+		printUsage(stdout, fset)
+		return exitOK
 	case "version":
 		fmt.Fprintln(stdout, versionString())
 		return exitOK
@@ -145,6 +167,10 @@ func versionString() string {
 // YAML encoder honours). Validation problems go to stderr with exit 2, so
 // `compactproxy config` doubles as a configuration check.
 func runConfig(fset *pflag.FlagSet, stdout, stderr io.Writer) int {
+	if err := checkEnv(os.Environ()); err != nil {
+		printValidation(stderr, err)
+		return exitUsage
+	}
 	cfg, _, err := loadConfig(fset, defaultConfigFile)
 	if err != nil {
 		fmt.Fprintf(stderr, "compactproxy: %v\n", err)

@@ -8,6 +8,8 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"os"
+	"strings"
 	"time"
 
 	"github.com/compactproxy/compactproxy/internal/config"
@@ -32,6 +34,10 @@ const maxHeaderBytes = 1 << 20
 const idleTimeout = 120 * time.Second
 
 func runServe(ctx context.Context, fset *pflag.FlagSet, stderr io.Writer) int {
+	if err := checkEnv(os.Environ()); err != nil {
+		printValidation(stderr, err)
+		return exitUsage
+	}
 	cfg, file, err := loadConfig(fset, defaultConfigFile)
 	if err != nil {
 		fmt.Fprintf(stderr, "compactproxy: %v\n", err)
@@ -109,6 +115,14 @@ func serve(ctx context.Context, cfg config.Config, file string, log *zap.Logger)
 		zap.String("store_backend", cfg.Store.Backend),
 	)
 
+	if to, ok := unversionedUpstream(cfg.Upstream.URL); ok {
+		// Allowed (llama-server also serves un-prefixed paths), but most
+		// upstreams want /v1: say where requests will go.
+		log.Warn("upstream.url has no version path",
+			zap.String("chat_completions", to),
+			zap.String("hint", "upstream.url is the base URL incl. its version path, e.g. http://127.0.0.1:8080/v1"))
+	}
+
 	// Background work (context-window discovery) stops with the signal:
 	// draining requests do not need it.
 	p.Start(ctx)
@@ -164,6 +178,16 @@ func redactURL(raw string) string {
 		return "[unparseable]"
 	}
 	return (&url.URL{Scheme: u.Scheme, Host: u.Host, Path: u.Path}).String()
+}
+
+// unversionedUpstream reports whether raw has no path at all (no /v1), and
+// then where chat completions go (scheme, host and path only, as logged).
+func unversionedUpstream(raw string) (string, bool) {
+	u, err := url.Parse(raw)
+	if err != nil || strings.Trim(u.Path, "/") != "" {
+		return "", false
+	}
+	return redactURL(strings.TrimRight(raw, "/") + "/chat/completions"), true
 }
 
 func compactionMode(c config.Compaction) string {

@@ -48,6 +48,10 @@ type Message struct {
 	MediaBytes int
 	// HasReasoning is true when the message carries "reasoning_content".
 	HasReasoning bool
+	// Native tells whether the message stands for a provider's own
+	// compaction state (Responses and Messages only); NativeNone for
+	// every other message.
+	Native NativeKind
 
 	// Digest is the message's canonical hash (anchor.MessageHash), filled by
 	// the proxy; zero until then.
@@ -55,6 +59,25 @@ type Message struct {
 	// HasDigest tells whether Digest is set.
 	HasDigest bool
 }
+
+// NativeKind sorts the items of the providers' own compaction APIs (DESIGN §
+// Other APIs, "The providers' own compaction APIs"). Each such item is a
+// chat message of its own, its bytes kept as the client sent them
+// (Request.NativeItem).
+type NativeKind uint8
+
+// The native kinds.
+const (
+	NativeNone NativeKind = iota
+	// NativeCompaction is a Responses "compaction" input item or a
+	// Messages "compaction" content block: the provider's summary of
+	// everything before it, which the provider reads from that item on.
+	// It is a cut: nothing before it is to be summarized again.
+	NativeCompaction
+	// NativeTrigger is a Responses "compaction_trigger" input item: the
+	// client asks for a compaction now (the API wants it last).
+	NativeTrigger
+)
 
 // Field is one top-level key of the request body.
 type Field struct {

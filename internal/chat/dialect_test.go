@@ -229,14 +229,22 @@ func TestMessagesDigestIgnoresCacheControl(t *testing.T) {
 func FuzzParseDialect(f *testing.F) {
 	f.Add(uint8(1), responsesBody)
 	f.Add(uint8(2), messagesBody)
+	f.Add(uint8(1), nativeResponsesBody)
+	f.Add(uint8(2), nativeMessagesBody)
 	f.Add(uint8(1), `{"input":"x","instructions":null}`)
 	f.Add(uint8(2), `{"system":"s","messages":[{"role":"user","content":[]}]}`)
+	f.Add(uint8(2), string(nestedCacheControl(4800, "cache_control")))
+	f.Add(uint8(1), `{"input":[{"role":"user","content":"\ud800x"}]}`)
 	f.Fuzz(func(t *testing.T, which uint8, body string) {
 		d := DialectResponses
 		if which%2 == 0 {
 			d = DialectMessages
 		}
-		r, err := ParseDialect(d, []byte(body))
+		var (
+			r   *Request
+			err error
+		)
+		checkLinearWork(t, len(body), func() { r, err = ParseDialect(d, []byte(body)) })
 		if err != nil {
 			var pe *ParseError
 			if !errors.As(err, &pe) {
@@ -253,7 +261,8 @@ func FuzzParseDialect(f *testing.F) {
 			views = append(views, edited)
 		}
 		for _, v := range views {
-			out := r.Build(v, nil)
+			var out []byte
+			checkLinearWork(t, len(body), func() { out = r.Build(v, nil) })
 			if !json.Valid(out) {
 				t.Fatalf("invalid JSON rendered: %s", out)
 			}

@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"unicode/utf16"
+	"unicode/utf8"
 
 	"github.com/compactproxy/compactproxy/internal/chat/chattest"
 )
@@ -34,19 +36,36 @@ func FuzzParse(f *testing.F) {
 		`{"messages":["\u12"]}`,
 		"{\"messages\":[{\"role\":\"user\",\"content\":\"\xff\xfe\"}]}",
 		string(chattest.AgentBody(4096, true)),
+		`{"messages":[{"role":"user","content":"\ud83d\ude42 \ud83d"}]}`,
+		`{"messages":[{"role":"user","content":"a\\udc00"}]}`,
+		string(nestedContent(1000)),
 	} {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, body []byte) {
 		orig := bytes.Clone(body)
-		r, err := Parse(body)
+		var (
+			r   *Request
+			err error
+		)
+		checkLinearWork(t, len(body), func() { r, err = Parse(body) })
 		if !bytes.Equal(body, orig) {
 			t.Fatal("Parse modified the body")
 		}
+		var pe *ParseError
+		badText := errors.As(err, &pe) && strings.HasPrefix(pe.Message, "invalid UTF-8 at byte ")
+		if badText && (pe.Param != "" || textIsUTF8(body)) {
+			t.Fatalf("err = %v for a body whose text is UTF-8", err)
+		}
 		if !json.Valid(body) {
-			var pe *ParseError
-			if !errors.As(err, &pe) || pe.Param != "" || !strings.HasPrefix(pe.Message, "invalid JSON at byte ") {
+			if !errors.As(err, &pe) || pe.Param != "" || !strings.HasPrefix(pe.Message, "invalid JSON at byte ") && !badText {
 				t.Fatalf("invalid JSON: err = %v", err)
+			}
+			return
+		}
+		if !textIsUTF8(body) {
+			if !badText {
+				t.Fatalf("text that is not UTF-8: err = %v, want an invalid UTF-8 ParseError", err)
 			}
 			return
 		}
@@ -67,6 +86,53 @@ func FuzzParse(f *testing.F) {
 		}
 		checkRequest(t, r, body, want)
 	})
+}
+
+// textIsUTF8 is the oracle of the UTF-8 rule for valid JSON: the bytes are
+// UTF-8 and every \u escape of a surrogate is half of a pair.
+func textIsUTF8(body []byte) bool {
+	if !utf8.Valid(body) {
+		return false
+	}
+	hex := func(b []byte) rune {
+		r, err := strconv.ParseUint(string(b), 16, 32)
+		if err != nil {
+			return -1
+		}
+		return rune(r)
+	}
+	for i := 0; i < len(body); i++ {
+		if body[i] != '\\' || i+1 >= len(body) {
+			continue
+		}
+		if body[i+1] != 'u' || i+6 > len(body) {
+			i++ // the escaped character
+			continue
+		}
+		r := hex(body[i+2 : i+6])
+		switch {
+		case utf16.IsSurrogate(r) && r < 0xdc00:
+			if i+12 > len(body) || body[i+6] != '\\' || body[i+7] != 'u' {
+				return false
+			}
+			if lo := hex(body[i+8 : i+12]); lo < 0xdc00 || lo >= 0xe000 {
+				return false
+			}
+			i += 11
+		case utf16.IsSurrogate(r):
+			return false
+		default:
+			i += 5
+		}
+	}
+	return true
+}
+
+// nestedContent is a chat body whose one message nests content arrays
+// depth deep (the chat form of nestedCacheControl).
+func nestedContent(depth int) []byte {
+	return []byte(`{"messages":[{"role":"user","content":[{"type":"text","text":"hi","content":` +
+		strings.Repeat(`[{"cache_control":{"type":"ephemeral"},"content":`, depth) + `1` + strings.Repeat(`}]`, depth) + `}]}]}`)
 }
 
 // notObject stands for the not-an-object error (whose Param is "").

@@ -17,6 +17,8 @@ type anthropicBlock struct {
 	Thinking  string          `json:"thinking"`
 	Signature string          `json:"signature"`
 	Data      string          `json:"data"`
+	// EncryptedContent is a compaction block's opaque payload.
+	EncryptedContent string `json:"encrypted_content"`
 }
 
 // messages maps a Messages body: the top-level "system" becomes a leading
@@ -67,10 +69,22 @@ func (b *builder) messages() error {
 			continue
 		}
 		if m.Role == "assistant" {
+			// One chat message, except that a compaction block is one
+			// of its own (the API reads the conversation from it on).
 			s := synth{role: "assistant"}
+			items := [][]byte{}
 			for _, blk := range blocks {
 				var bl anthropicBlock
 				_ = json.Unmarshal(blk, &bl)
+				if bl.Type == "compaction" {
+					if len(items) > 0 {
+						b.add(&s, unit{at: c, container: c, items: items})
+						s, items = synth{role: "assistant"}, [][]byte{}
+					}
+					b.add(compactionBlock(m.Role, &bl), unit{at: c, container: c, items: [][]byte{blk}})
+					continue
+				}
+				items = append(items, blk)
 				switch bl.Type {
 				case "text":
 					if bl.Text != nil {
@@ -91,11 +105,9 @@ func (b *builder) messages() error {
 					s.reasoning.Write(blk)
 				}
 			}
-			items := make([][]byte, len(blocks))
-			for k := range blocks {
-				items[k] = blocks[k]
+			if len(items) > 0 || len(r.Messages) == first {
+				b.add(&s, unit{at: c, container: c, items: items})
 			}
-			b.add(&s, unit{at: c, container: c, items: items})
 			src.spans = append(src.spans, [2]int{first, len(r.Messages) - 1})
 			continue
 		}
@@ -113,6 +125,11 @@ func (b *builder) messages() error {
 		for _, blk := range blocks {
 			var bl anthropicBlock
 			_ = json.Unmarshal(blk, &bl)
+			if bl.Type == "compaction" {
+				flush()
+				b.add(compactionBlock(m.Role, &bl), unit{at: c, container: c, items: [][]byte{blk}})
+				continue
+			}
 			if bl.Type == "tool_result" && bl.ToolUseID != nil {
 				flush()
 				text, media := textOf(bl.Content)
@@ -147,6 +164,17 @@ func (b *builder) messages() error {
 		src.spans = append(src.spans, [2]int{first, len(r.Messages) - 1})
 	}
 	return nil
+}
+
+// compactionBlock is the chat message of a "compaction" content block: its
+// summary (content; null when the compaction failed) is the text, its
+// opaque encrypted_content counted as reasoning.
+func compactionBlock(role string, bl *anthropicBlock) *synth {
+	s := &synth{role: role, native: NativeCompaction}
+	text, _ := textOf(bl.Content)
+	s.text.WriteString(text)
+	s.reasoning.WriteString(bl.EncryptedContent)
+	return s
 }
 
 // renderMessages writes the "messages" array for msgs: the chat messages of

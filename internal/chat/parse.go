@@ -37,7 +37,7 @@ func (p *parser) shapeError(param, msg string) {
 // body must not be modified while the Request is in use.
 func Parse(body []byte) (*Request, error) {
 	p := parser{
-		scanner:       scanner{data: body},
+		scanner:       scanner{data: body, strict: true},
 		r:             &Request{Body: body, Fields: make([]Field, 0, 16)},
 		maxTokens:     -1,
 		maxCompletion: -1,

@@ -77,6 +77,18 @@ func (b *builder) responses() error {
 		if len(raw) == 0 || raw[0] != '{' || json.Unmarshal(raw, &it) != nil {
 			return shapeError(paramAt("input", i), "input[%d] must be an item object", i)
 		}
+		if k := nativeKind(it.Type); k != NativeNone {
+			// Its own message, so that the planner can cut at it; its
+			// opaque payload is counted like a reasoning item's.
+			b.flushTurn()
+			s := synth{role: "assistant", native: k}
+			if k == NativeTrigger {
+				s.role = "user" // the client's request, and the last item
+			}
+			s.reasoning.WriteString(it.EncryptedContent)
+			b.add(&s, unit{at: i, container: -1, items: [][]byte{raw}})
+			continue
+		}
 		switch it.kind() {
 		case "message":
 			b.flushTurn()

@@ -23,6 +23,12 @@ const maxDepth = 10000
 type scanner struct {
 	data []byte
 	err  *ParseError // first syntax error; nil while the input is valid JSON
+	// strict: strings must be UTF-8 (no raw byte that is not, no lone
+	// surrogate escape), as the parsers of a client's body require; the
+	// helpers that read the proxy's own JSON leave it off.
+	strict bool
+	// badText: err is text that is not UTF-8, not a syntax error.
+	badText bool
 
 	// esc is set by str: the raw length minus the (approximate) decoded
 	// length of the escapes in the last string scanned; 0 = no escapes.
@@ -44,13 +50,14 @@ const (
 )
 
 // special flags, in the high bit of each byte, the bytes of x that end the
-// fast path of a string: '"', '\\' and control characters (< 0x20). The lowest
+// fast path of a string: '"', '\\', control characters (< 0x20) and bytes of
+// multi-byte UTF-8 (≥ 0x80, validated one rune at a time). The lowest
 // flagged byte is always a real one (borrows only propagate upwards), which
 // is all str needs.
 func special(x uint64) uint64 {
 	q := x ^ (lsb * '"')
 	b := x ^ (lsb * '\\')
-	return ((x - lsb*0x20) | (q - lsb) | (b - lsb)) &^ x & msb
+	return ((x - lsb*0x20) | (q - lsb) | (b - lsb) | x) & msb
 }
 
 // stringStop marks the bytes special flags, for the tail of a string.
@@ -60,6 +67,9 @@ var stringStop = func() (t [256]bool) {
 	}
 	t['"'] = true
 	t['\\'] = true
+	for c := utf8.RuneSelf; c < 256; c++ {
+		t[c] = true
+	}
 	return t
 }()
 
@@ -81,6 +91,16 @@ func (s *scanner) fail(i int, what string) int {
 	return -1
 }
 
+// badUTF8 records, as fail does, text at byte i that is not UTF-8: an
+// upstream refuses it (llama-server answers 500), so it is the client's 400.
+func (s *scanner) badUTF8(i int, what string) int {
+	if s.err == nil {
+		s.err = &ParseError{Message: "invalid UTF-8 at byte " + strconv.Itoa(i) + ": " + what}
+		s.badText = true
+	}
+	return -1
+}
+
 // unexpected reports the byte at i, or the end of the input.
 func (s *scanner) unexpected(i int, context string) int {
 	if i >= len(s.data) {
@@ -97,9 +117,11 @@ func quoteByte(c byte) string {
 }
 
 // str scans the string whose opening quote is at i and returns the index
-// after its closing quote. It validates escapes and rejects control
-// characters; it does not validate UTF-8 (neither does encoding/json, which
-// replaces invalid bytes when decoding). s.esc receives the escape overhead.
+// after its closing quote. It validates escapes, rejects control
+// characters, and rejects text that is not UTF-8: raw bytes that are not
+// and surrogate escapes that are not a pair (encoding/json accepts both and
+// decodes them to U+FFFD; an upstream refuses them). s.esc receives the
+// escape overhead.
 func (s *scanner) str(i int) int {
 	data := s.data
 	n := len(data)
@@ -128,6 +150,15 @@ func (s *scanner) str(i int) int {
 			return j + 1
 		case c < 0x20:
 			return s.fail(j, "control character "+quoteByte(c)+" in string")
+		case c >= utf8.RuneSelf:
+			for j < n && data[j] >= utf8.RuneSelf {
+				r, size := utf8.DecodeRune(data[j:])
+				if r == utf8.RuneError && size == 1 && s.strict {
+					return s.badUTF8(j, quoteByte(data[j])+" is not UTF-8")
+				}
+				j += size
+			}
+			continue
 		}
 		// Backslash.
 		if j+1 >= n {
@@ -150,15 +181,33 @@ func (s *scanner) str(i int) int {
 				r = r<<4 | h
 			}
 			j += 6
-			// Decoded size: 1-3 bytes; surrogate halves count 2 each
-			// (a pair decodes to 4 bytes).
+			// Decoded size: 1-3 bytes; a surrogate pair decodes to 4.
 			switch {
 			case r < 0x80:
 				esc += 5
 			case r < 0x800:
 				esc += 4
-			case r >= 0xd800 && r < 0xe000:
+			case r >= 0xd800 && r < 0xe000 && !s.strict:
 				esc += 4
+			case r >= 0xd800 && r < 0xdc00:
+				if j+6 > n || data[j] != '\\' || data[j+1] != 'u' {
+					return s.badUTF8(j-6, "lone surrogate escape "+string(data[j-6:j]))
+				}
+				lo := 0
+				for k := j + 2; k < j+6; k++ {
+					h := hexVal(data[k])
+					if h < 0 {
+						return s.fail(k, "invalid hex digit "+quoteByte(data[k])+" in \\u escape")
+					}
+					lo = lo<<4 | h
+				}
+				if lo < 0xdc00 || lo >= 0xe000 {
+					return s.badUTF8(j-6, "lone surrogate escape "+string(data[j-6:j]))
+				}
+				j += 6
+				esc += 8
+			case r >= 0xdc00 && r < 0xe000:
+				return s.badUTF8(j-6, "lone surrogate escape "+string(data[j-6:j]))
 			default:
 				esc += 3
 			}

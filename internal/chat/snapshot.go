@@ -284,7 +284,7 @@ func ParseAfter(body []byte, snap *Snapshot) (r *Request, reused int, err error)
 	}
 	k := n - 1 // resume after message k
 	p := parser{
-		scanner:       scanner{data: body},
+		scanner:       scanner{data: body, strict: true},
 		r:             &Request{Body: body, Fields: make([]Field, 0, max(16, snap.head.fields+8))},
 		maxTokens:     snap.head.maxTokens,
 		maxCompletion: snap.head.maxCompletion,

@@ -28,7 +28,7 @@ func (s Secret) Reveal() string { return string(s) }
 // Config is the whole configuration. Keys and defaults are the contract of
 // DESIGN.md's table; the mapstructure tags are the config key names.
 type Config struct {
-	Listen          string        `mapstructure:"listen" yaml:"listen"`                     // default ":8081"
+	Listen          string        `mapstructure:"listen" yaml:"listen"`                     // default "127.0.0.1:8081" (loopback; containers set ":8081")
 	ShutdownTimeout time.Duration `mapstructure:"shutdown_timeout" yaml:"shutdown_timeout"` // default 30s
 	Upstream        Upstream      `mapstructure:"upstream" yaml:"upstream"`
 	Models          []Model       `mapstructure:"models" yaml:"models"` // per-model overrides, win over upstream.context_window
@@ -49,6 +49,7 @@ type Upstream struct {
 	Dialect           string        `mapstructure:"dialect" yaml:"dialect"`                       // auto|openai|llamacpp|vllm|deepseek|anthropic
 	ContextWindow     int           `mapstructure:"context_window" yaml:"context_window"`         // 0 = discover
 	StreamUsage       string        `mapstructure:"stream_usage" yaml:"stream_usage"`             // auto|always|never
+	NativeCompaction  string        `mapstructure:"native_compaction" yaml:"native_compaction"`   // auto|passthrough|emulate; see NativeCompactions
 	DiscoveryInterval time.Duration `mapstructure:"discovery_interval" yaml:"discovery_interval"` // default 5m
 }
 
@@ -142,7 +143,10 @@ type Bolt struct {
 
 // Redis configures the redis store backend.
 type Redis struct {
-	URL    Secret `mapstructure:"url" yaml:"url"`       // redis://[:pw@]host:6379/0 or rediss://; may hold a password
+	// URL names the deployment (package redisurl, docs/configuration.md):
+	// redis://[:pw@]host:6379/0 (one node), redis+sentinel://s1,s2/master[/db],
+	// redis+cluster://n1:7000,n2:7001; rediss… for TLS. May hold a password.
+	URL    Secret `mapstructure:"url" yaml:"url"`
 	Prefix string `mapstructure:"prefix" yaml:"prefix"` // compactproxy:
 }
 
@@ -166,15 +170,22 @@ type Log struct {
 // whether it answers.
 const DefaultUpstreamURL = "http://127.0.0.1:8080/v1"
 
+// DefaultListen is listen's default: loopback only, nothing exposed unless
+// told otherwise (the container image sets COMPACTPROXY_LISTEN=:8081).
+const DefaultListen = "127.0.0.1:8081"
+
 // Default returns the configuration with every default of DESIGN.md's table.
 func Default() Config {
 	return Config{
-		Listen:          ":8081",
+		// Loopback: a laptop's `make run` must not expose the local
+		// llama-server to the network; the image and deploy files set :8081.
+		Listen:          DefaultListen,
 		ShutdownTimeout: 30 * time.Second,
 		Upstream: Upstream{
 			URL:               DefaultUpstreamURL,
 			Dialect:           "auto",
 			StreamUsage:       "auto",
+			NativeCompaction:  "auto",
 			DiscoveryInterval: 5 * time.Minute,
 		},
 		Compaction: Compaction{

@@ -7,6 +7,8 @@ import (
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/compactproxy/compactproxy/internal/store/redisurl"
 )
 
 // Allowed values of the enumerated keys. They are exported so that help text,
@@ -20,6 +22,11 @@ var (
 	LogLevels     = []string{"debug", "info", "warn", "error"}
 	LogFormats    = []string{"json", "console"}
 )
+
+// NativeCompactions are upstream.native_compaction's values. Until the proxy
+// emulates the providers' compaction APIs, every value passes them through
+// unchanged (docs/configuration.md says so).
+var NativeCompactions = []string{"auto", "passthrough", "emulate"}
 
 // implementedBackends are the store backends that exist today; the others in
 // StoreBackends are part of the contract but rejected until they land, so a
@@ -116,6 +123,7 @@ func (c Config) Validate() error {
 	v.oneOf("upstream.dialect", c.Upstream.Dialect, Dialects)
 	v.atLeast("upstream.context_window", int64(c.Upstream.ContextWindow), 0)
 	v.oneOf("upstream.stream_usage", c.Upstream.StreamUsage, StreamUsages)
+	v.oneOf("upstream.native_compaction", c.Upstream.NativeCompaction, NativeCompactions)
 	v.positiveDuration("upstream.discovery_interval", c.Upstream.DiscoveryInterval)
 
 	seen := map[string]int{}
@@ -198,9 +206,13 @@ func (c Config) Validate() error {
 		v.add("store.bolt.path", "is required with store.backend bolt")
 	}
 	if c.Store.Backend == "redis" {
-		if u, err := url.Parse(c.Store.Redis.URL.Reveal()); err != nil || (u.Scheme != "redis" && u.Scheme != "rediss") || u.Host == "" {
-			// Never quote the value: it may carry a password.
-			v.add("store.redis.url", "must be redis://[:password@]host:port/db or rediss://... with store.backend redis")
+		// redisurl's errors are fixed texts: the value may carry a password.
+		u, err := redisurl.Parse(c.Store.Redis.URL.Reveal())
+		switch {
+		case err != nil:
+			v.add("store.redis.url", "%s (store.backend redis)", err)
+		case u.Mode == redisurl.Cluster && strings.ContainsAny(c.Store.Redis.Prefix, "{}"):
+			v.add("store.redis.prefix", "must not contain { or } with a redis+cluster:// URL: each conversation's keys carry a {hash tag} of their own")
 		}
 	}
 	for i, h := range c.Compaction.ConversationHeaders {

@@ -60,6 +60,9 @@ func TestValidateRules(t *testing.T) {
 		{"upstream.dialect llamacpp", func(c *Config) { c.Upstream.Dialect = "llamacpp" }, ""},
 		{"upstream.context_window negative", func(c *Config) { c.Upstream.ContextWindow = -1 }, "upstream.context_window: must be >= 0"},
 		{"upstream.stream_usage", func(c *Config) { c.Upstream.StreamUsage = "sometimes" }, "upstream.stream_usage: must be one of"},
+		{"upstream.native_compaction", func(c *Config) { c.Upstream.NativeCompaction = "native" }, "upstream.native_compaction: must be one of"},
+		{"upstream.native_compaction empty", func(c *Config) { c.Upstream.NativeCompaction = "" }, "upstream.native_compaction: must be one of"},
+		{"upstream.native_compaction emulate", func(c *Config) { c.Upstream.NativeCompaction = "emulate" }, ""},
 		{"upstream.discovery_interval", func(c *Config) { c.Upstream.DiscoveryInterval = 0 }, "upstream.discovery_interval: must be > 0"},
 
 		{"models name missing", func(c *Config) { c.Models = []Model{{ContextWindow: 10}} }, "models[0].name: required"},
@@ -105,6 +108,36 @@ func TestValidateRules(t *testing.T) {
 		{"store.bolt.path empty", func(c *Config) { c.Store.Backend = "bolt"; c.Store.Bolt.Path = "" }, "store.bolt.path: is required"},
 		{"store.redis.url empty", func(c *Config) { c.Store.Backend = "redis" }, "store.redis.url: must be redis://"},
 		{"store.redis.url http", func(c *Config) { c.Store.Backend = "redis"; c.Store.Redis.URL = "http://:pw@h:6379" }, "store.redis.url: must be redis://"},
+		{"store.redis.url sentinel", func(c *Config) {
+			c.Store.Backend = "redis"
+			c.Store.Redis.URL = "redis+sentinel://:pw@10.0.0.1:26379,10.0.0.2/mymaster/1"
+		}, ""},
+		{"store.redis.url sentinel without master", func(c *Config) {
+			c.Store.Backend = "redis"
+			c.Store.Redis.URL = "redis+sentinel://:pw@10.0.0.1:26379,10.0.0.2"
+		}, "store.redis.url: names no master"},
+		{"store.redis.url sentinel bad port", func(c *Config) {
+			c.Store.Backend = "redis"
+			c.Store.Redis.URL = "redis+sentinel://:pw@10.0.0.1:26379,10.0.0.2:x/m"
+		}, "store.redis.url: has a port"},
+		{"store.redis.url cluster", func(c *Config) {
+			c.Store.Backend = "redis"
+			c.Store.Redis.URL = "rediss+cluster://:pw@n1:7000,n2:7001"
+		}, ""},
+		{"store.redis.url cluster db 2", func(c *Config) {
+			c.Store.Backend = "redis"
+			c.Store.Redis.URL = "redis+cluster://n1:7000/2"
+		}, "store.redis.url: names a database other than 0"},
+		{"store.redis.prefix braces on a cluster", func(c *Config) {
+			c.Store.Backend = "redis"
+			c.Store.Redis.URL = "redis+cluster://n1:7000"
+			c.Store.Redis.Prefix = "cp{x}:"
+		}, "store.redis.prefix: must not contain { or }"},
+		{"store.redis.prefix braces on one node", func(c *Config) {
+			c.Store.Backend = "redis"
+			c.Store.Redis.URL = "redis://n1:6379/0"
+			c.Store.Redis.Prefix = "cp{x}:"
+		}, ""},
 		{"store.timeout zero", func(c *Config) { c.Store.Timeout = 0 }, "store.timeout: must be > 0"},
 		{"compaction.conversation_headers blank", func(c *Config) { c.Compaction.ConversationHeaders = []string{"X-A", " "} }, "compaction.conversation_headers[1]: must be a header name"},
 		{"store.max_entries zero", func(c *Config) { c.Store.MaxEntries = 0 }, "store.max_entries: must be >= 1"},
@@ -169,9 +202,14 @@ func TestValidateNeverEchoesURLCredentials(t *testing.T) {
 	c := valid()
 	c.Upstream.URL = "ftp://user:hunter2@host/v1"
 	c.Compaction.Summarizer.URL = "ftp://user:hunter3@host/v1"
+	c.Store.Backend = "redis"
+	c.Store.Redis.URL = "redis+sentinel://user:hunter4@s1:26379/mymaster/x?sentinel_password=hunter5"
 	msg := c.Validate().Error()
 	if strings.Contains(msg, "hunter") {
 		t.Errorf("validation error leaks URL credentials: %s", msg)
+	}
+	if !strings.Contains(msg, "store.redis.url: has a database") {
+		t.Errorf("the bad store.redis.url is not reported: %s", msg)
 	}
 }
 

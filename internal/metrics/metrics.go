@@ -13,10 +13,15 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promauto"
 )
 
+// RetryOps are the op label values of upstream_retries_total: a retry is
+// counted with the route it serves (the http_requests_total route of the
+// same name), summarize calls under their own.
+var RetryOps = []string{"chat", "responses", "messages", "summarize"}
+
 // Metrics holds every metric of DESIGN.md's list.
 type Metrics struct {
 	HTTPRequests        *prometheus.CounterVec // route, code
-	UpstreamRetries     *prometheus.CounterVec // op, reason
+	UpstreamRetries     *prometheus.CounterVec // op (RetryOps), reason
 	Compactions         *prometheus.CounterVec // action
 	Summarize           *prometheus.CounterVec // result
 	SummarizeSuppressed *prometheus.CounterVec // reason
@@ -59,7 +64,7 @@ func New(reg prometheus.Registerer) *Metrics {
 		HTTPRequests: f.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "http_requests_total",
 			Help: "HTTP requests served, by route and status code."}, []string{"route", "code"}),
 		UpstreamRetries: f.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "upstream_retries_total",
-			Help: "Upstream retries, by operation (chat|summarize) and reason."}, []string{"op", "reason"}),
+			Help: "Upstream retries, by operation (the route served: chat|responses|messages, or summarize) and reason."}, []string{"op", "reason"}),
 		Compactions: f.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "compactions_total",
 			Help: "Compactions applied to forwarded requests, by action."}, []string{"action"}),
 		Summarize: f.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "summarize_total",
@@ -125,7 +130,7 @@ func New(reg prometheus.Registerer) *Metrics {
 		"interleaved_message", "missing_tool_call_id", "orphan_function_result"} {
 		m.PairingViolations.WithLabelValues(k)
 	}
-	for _, op := range []string{"chat", "summarize"} {
+	for _, op := range RetryOps {
 		for _, r := range []string{"connect", "status_429", "status_5xx", "context_overflow", "stream_options"} {
 			m.UpstreamRetries.WithLabelValues(op, r)
 		}

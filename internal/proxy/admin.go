@@ -10,9 +10,9 @@ import (
 	"strings"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
-	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
 	"github.com/compactproxy/compactproxy/internal/store"
+	"github.com/compactproxy/compactproxy/internal/wire"
 	"github.com/go-chi/chi/v5"
 )
 
@@ -32,7 +32,7 @@ type previewResponse struct {
 // runs (and stores) a summary as a real request would.
 func (s *Server) handlePreview(w http.ResponseWriter, r *http.Request) {
 	if q := r.URL.Query(); q.Has("dialect") && s.auth.allow(r.Header) {
-		if _, ok := previewDialects[q.Get("dialect")]; !ok {
+		if _, ok := wire.Named(q.Get("dialect")); !ok {
 			s.answer(w, r, nil, &clientError{status: http.StatusBadRequest, typ: "invalid_request_error", param: "dialect",
 				detail: "compactproxy: dialect must be chat, responses or messages"})
 			return
@@ -55,9 +55,8 @@ func (s *Server) handlePreview(w http.ResponseWriter, r *http.Request) {
 	out, _ := s.compact(r.Context(), r, cr, cv, compactOptions{pass: compaction.PassForward,
 		enabled: s.cfg.Compaction.Enabled, summarize: summarize, commit: summarize})
 	req := cr.req
-	window := s.windows.getFor(cr.windowScope())
+	window := s.windows.GetFor(cr.windowScope())
 	resp := previewResponse{
-		Messages:        make([]json.RawMessage, len(out.Messages)),
 		Action:          string(out.Action),
 		ContextTokens:   out.Context.Tokens,
 		ContextSource:   out.Context.Source,
@@ -68,21 +67,12 @@ func (s *Server) handlePreview(w http.ResponseWriter, r *http.Request) {
 	if resp.Action == "" {
 		resp.Action = "none"
 	}
-	for i, m := range out.Messages {
-		resp.Messages[i] = json.RawMessage(m.Raw)
-	}
-	if d := cr.dialect; d != chat.DialectChat {
-		// The view in the client's own dialect: the items (Responses) or
-		// messages (Messages) the request would carry.
-		var body map[string]json.RawMessage
-		key := "input"
-		if d == chat.DialectMessages {
-			key = "messages"
-		}
-		resp.Messages = nil
-		if json.Unmarshal(req.Build(out.Messages, nil), &body) == nil {
-			_ = json.Unmarshal(body[key], &resp.Messages)
-		}
+	// The view in the client's own API: the messages or items the
+	// request would carry.
+	var body map[string]json.RawMessage
+	resp.Messages = nil
+	if json.Unmarshal(req.Build(out.Messages, nil), &body) == nil {
+		_ = json.Unmarshal(body[cr.api.HistoryKey], &resp.Messages)
 	}
 	cr.info.action = resp.Action
 	w.Header().Set("Content-Type", "application/json")

@@ -12,6 +12,7 @@ import (
 	"github.com/compactproxy/compactproxy/internal/compaction"
 	"github.com/compactproxy/compactproxy/internal/config"
 	"github.com/compactproxy/compactproxy/internal/pairing"
+	"github.com/compactproxy/compactproxy/internal/upstream"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 )
@@ -68,11 +69,11 @@ func BenchmarkStreamPath(b *testing.B) {
 
 // bareForwarder is the floor a proxy is compared with: read the body and
 // forward it to the upstream, nothing else.
-func bareForwarder(upstream string) http.Handler {
-	client := &http.Client{Transport: newTransport()}
+func bareForwarder(target string) http.Handler {
+	client := &http.Client{Transport: upstream.NewTransport()}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		in, _ := io.ReadAll(r.Body)
-		resp, err := client.Post(upstream+"/v1/chat/completions", "application/json", bytes.NewReader(in))
+		resp, err := client.Post(target+"/v1/chat/completions", "application/json", bytes.NewReader(in))
 		if err != nil {
 			w.WriteHeader(502)
 			return

@@ -99,7 +99,7 @@ func (s *Server) answerBodyError(w http.ResponseWriter, r *http.Request, err err
 	// next request: this answer closes the connection.
 	w.Header().Set("Connection", "close")
 	writeError := func(w http.ResponseWriter, status int, typ, code, param, msg string) {
-		writeErrorIn(dialectOf(r), w, status, typ, code, param, msg)
+		writeErrorIn(apiOf(r), w, status, typ, code, param, msg)
 	}
 	switch {
 	case errors.Is(err, errBodyTooLarge):

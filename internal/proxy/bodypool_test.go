@@ -78,8 +78,8 @@ func TestBodyPoolUnderHTTP2Upstream(t *testing.T) {
 	cfg := testConfig(up.URL)
 	cfg.Compaction.Enabled = false
 	p := newTestProxy(t, cfg)
-	p.srv.transport.TLSClientConfig = &tls.Config{InsecureSkipVerify: true} // the test server's own certificate
-	p.srv.transport.ForceAttemptHTTP2 = true
+	p.srv.up.Transport.TLSClientConfig = &tls.Config{InsecureSkipVerify: true} // the test server's own certificate
+	p.srv.up.Transport.ForceAttemptHTTP2 = true
 
 	var wg sync.WaitGroup
 	const clients, each = 8, 12
@@ -152,8 +152,8 @@ func bodyPoolUnderLeavingClient(t *testing.T, atCopy bool) {
 	cfg := testConfig(up.URL)
 	cfg.Compaction.Enabled = false
 	p := newTestProxy(t, cfg)
-	p.srv.transport.TLSClientConfig = &tls.Config{InsecureSkipVerify: true} // the test server's own certificate
-	p.srv.transport.ForceAttemptHTTP2 = true
+	p.srv.up.Transport.TLSClientConfig = &tls.Config{InsecureSkipVerify: true} // the test server's own certificate
+	p.srv.up.Transport.ForceAttemptHTTP2 = true
 
 	var (
 		mu         sync.Mutex

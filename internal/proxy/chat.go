@@ -2,15 +2,15 @@ package proxy
 
 import (
 	"bytes"
-	"encoding/json"
 	"errors"
 	"net/http"
-	"strings"
 	"time"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
+	"github.com/compactproxy/compactproxy/internal/upstream"
+	"github.com/compactproxy/compactproxy/internal/wire"
 	"go.uber.org/zap"
 )
 
@@ -62,65 +62,48 @@ type (
 	}
 	// bodyError: the body could not be read (answerBodyError says how).
 	bodyError struct{ error }
-	// upstreamError: the upstream could not be reached or answer usefully
-	// (a fixed text per class, never the Go error).
-	upstreamError struct {
-		failure upstreamFailure
-		err     error
-	}
-	// upstreamAnswer is the upstream's own error answer (status ≥ 400),
-	// relayed to the client as it came.
-	upstreamAnswer struct {
-		status int
-		header http.Header
-		body   []byte
-		// failure is the error envelope of a Responses stream that failed
-		// before its answer began (response.failed in a 200): what
-		// recovery reads instead of body.
-		failure []byte
-	}
+	// The upstream's failures are upstream.Error (no usable answer: a
+	// fixed text per class) and upstream.Answer (its own error answer,
+	// relayed as it came).
 )
 
-func (e *clientError) Error() string    { return e.detail }
-func (e *upstreamError) Error() string  { return e.failure.text }
-func (e *upstreamError) Unwrap() error  { return e.err }
-func (e *upstreamAnswer) Error() string { return "upstream answered " + http.StatusText(e.status) }
+func (e *clientError) Error() string { return e.detail }
 
 // answer ends a request with err: the one place where a stage's error
 // becomes an answer. cr is nil before the request was parsed.
 func (s *Server) answer(w http.ResponseWriter, r *http.Request, cr *chatRequest, err error) {
 	ri := infoFrom(r.Context())
-	d := dialectOf(r)
+	api := apiOf(r)
 	var (
 		ce *clientError
 		be bodyError
-		ue *upstreamError
-		ua *upstreamAnswer
+		ue *upstream.Error
+		ua *upstream.Answer
 	)
 	switch {
 	case errors.As(err, &ce):
-		writeErrorIn(d, w, ce.status, ce.typ, ce.code, ce.param, ce.detail)
+		writeErrorIn(api, w, ce.status, ce.typ, ce.code, ce.param, ce.detail)
 	case errors.As(err, &be):
 		s.answerBodyError(w, r, be.error)
 	case errors.As(err, &ua):
-		s.writeHeaders(w, cr, ua.header)
-		w.WriteHeader(ua.status)
-		_, _ = w.Write(ua.body)
+		s.writeHeaders(w, cr, ua.Header)
+		w.WriteHeader(ua.Status)
+		_, _ = w.Write(ua.Body)
 	case errors.Is(err, errClientGone) || r.Context().Err() != nil:
 		ri.status = 499
 	case errors.As(err, &ue):
 		s.log.Warn("upstream request failed", zap.String("request_id", ri.id),
-			zap.String("upstream", s.dialectLogURLs[d]), zap.String("error_class", ue.failure.code))
-		writeErrorIn(d, w, ue.failure.status, "upstream_error", ue.failure.code, "", "compactproxy: "+ue.failure.text)
+			zap.String("upstream", s.apiURLs[api.Dialect].log), zap.String("error_class", ue.Failure.Code))
+		writeErrorIn(api, w, ue.Failure.Status, "upstream_error", ue.Failure.Code, "", "compactproxy: "+ue.Failure.Text)
 	default:
-		writeErrorIn(d, w, http.StatusInternalServerError, "server_error", "", "", "compactproxy: internal error")
+		writeErrorIn(api, w, http.StatusInternalServerError, "server_error", "", "", "compactproxy: internal error")
 	}
 }
 
 // chatRequest is one client request on its way through the proxy: data
 // only, filled by the stages in order.
 type chatRequest struct {
-	dialect chat.Dialect // the API the client speaks (the route)
+	api *wire.API // the API the client speaks (the route)
 	// query is the client's query string, forwarded with the request
 	// (Claude Code's ?beta=true, Azure's ?api-version=).
 	query   string
@@ -153,9 +136,10 @@ type chatRequest struct {
 	// decisionSpent the time that decision waited for a summary.
 	decision      compaction.Output
 	decisionSpent time.Duration
-	// inject is set when the proxy injected include_usage, so the
-	// usage-only chunk must not reach the client.
-	inject bool
+	// inject is the field the proxy added to ask the stream for its
+	// usage (usageOption; nil: none), so the usage must not reach the
+	// client.
+	inject []chat.Field
 	// sent: the request went upstream once (a resend is recovery);
 	// upStart is when the answer being relayed was asked for.
 	sent    bool
@@ -167,6 +151,12 @@ type chatRequest struct {
 	pb *pooledBody
 	// respHeaders are extra headers for the client (X-Compactproxy-*).
 	respHeaders http.Header
+}
+
+// windowScope is the scope of cr's window: its tenant, model and
+// window-shaping headers (upstream.Scope).
+func (cr *chatRequest) windowScope() upstream.Scope {
+	return upstream.Scope{Tenant: cr.tenant, Model: cr.req.Model, Shape: upstream.WindowShape(cr.headers)}
 }
 
 // release returns the request's body buffer to its pool (the request is
@@ -194,12 +184,12 @@ func (s *Server) readChat(w http.ResponseWriter, r *http.Request) (*chatRequest,
 		return nil, bodyError{err}
 	}
 	ps := parsed{tenant: tenantOf(s.tenantSecret, r.Header)}
-	d := dialectOf(r)
+	api := apiOf(r)
 	var (
 		req    *chat.Request
 		reused int
 	)
-	if d == chat.DialectChat {
+	if api.Dialect == chat.DialectChat {
 		ps.key = s.parses.key(ps.tenant, conversationHeader(r, s.cfg.Compaction.ConversationHeaders), pb.buf)
 		ps.from = s.parses.lookup(ps.key, pb.buf)
 		var snap *chat.Snapshot
@@ -214,7 +204,7 @@ func (s *Server) readChat(w http.ResponseWriter, r *http.Request) (*chatRequest,
 		own := bytes.Clone(pb.buf)
 		pb.release()
 		pb = nil
-		req, err = chat.ParseDialect(d, own)
+		req, err = chat.ParseDialect(api.Dialect, own)
 	}
 	if err != nil {
 		pb.release()
@@ -234,14 +224,14 @@ func (s *Server) readChat(w http.ResponseWriter, r *http.Request) (*chatRequest,
 		s.metrics.UIOnlyRemoved.Add(float64(req.UIOnlyRemoved))
 	}
 	cr := &chatRequest{
-		dialect:     d,
+		api:         api,
 		query:       r.URL.RawQuery,
 		start:       start,
 		reqID:       infoFrom(r.Context()).id,
 		req:         req,
 		info:        ci,
 		pb:          pb,
-		headers:     s.upstreamHeaders(r.Header),
+		headers:     s.up.Header(r.Header, s.ownHeaders()...),
 		tenant:      ps.tenant,
 		parsed:      ps,
 		forward:     req.Messages,
@@ -249,7 +239,7 @@ func (s *Server) readChat(w http.ResponseWriter, r *http.Request) (*chatRequest,
 		respHeaders: http.Header{},
 	}
 	cr.respHeaders.Set("X-Compactproxy-Compaction", "none")
-	cr.opaque = d == chat.DialectResponses && req.HasField("previous_response_id")
+	cr.opaque = api.HistoryUpstream(req)
 	return cr, nil
 }
 
@@ -262,103 +252,35 @@ type parsed struct {
 	reused int
 }
 
-// hopHeaders are not forwarded (RFC 9110 § 7.6.1) plus the ones we set.
-var hopHeaders = []string{
-	"Connection", "Proxy-Connection", "Keep-Alive", "Proxy-Authenticate",
-	"Proxy-Authorization", "Te", "Trailer", "Transfer-Encoding", "Upgrade",
-	"Content-Length", "Host",
-	// The transport negotiates compression itself and decodes it, so the
-	// proxy can read SSE events and usage; the client gets identity.
-	"Accept-Encoding",
-	"X-Compactproxy-Conversation", "X-Compactproxy-Bypass",
-}
-
-// upstreamHeaders builds the headers of a request to the upstream from the
-// client's: hop-by-hop and proxy-only headers removed, credentials replaced
-// when upstream.api_key is set.
-func (s *Server) upstreamHeaders(in http.Header) http.Header {
-	h := in.Clone()
-	if c := in.Get("Connection"); c != "" {
-		for _, f := range strings.Split(c, ",") {
-			h.Del(strings.TrimSpace(f))
-		}
-	}
-	for _, k := range hopHeaders {
-		h.Del(k)
-	}
+// ownHeaders are the request headers meant for the proxy alone: its own
+// and the first configured conversation header (DESIGN § Compaction).
+func (s *Server) ownHeaders() []string {
+	own := []string{"X-Compactproxy-Conversation", "X-Compactproxy-Bypass"}
 	if hs := s.cfg.Compaction.ConversationHeaders; len(hs) > 0 {
-		h.Del(hs[0]) // the proxy's own conversation header (DESIGN § Compaction)
+		own = append(own, hs[0])
 	}
-	if key := s.cfg.Upstream.APIKey.Reveal(); key != "" {
-		h.Del("X-Api-Key")
-		h.Del("Api-Key")
-		h.Del("Authorization")
-		if s.cfg.Upstream.Dialect == "anthropic" {
-			h.Set("X-Api-Key", key) // Anthropic's own header
-		} else {
-			h.Set("Authorization", "Bearer "+key)
-		}
-	}
-	return h
+	return own
 }
 
-// copyResponseHeaders copies the upstream's response headers to the client,
-// without hop-by-hop headers and Content-Length (the body may change).
-func copyResponseHeaders(dst, src http.Header) {
-	for k, vv := range src {
-		switch http.CanonicalHeaderKey(k) {
-		case "Connection", "Keep-Alive", "Transfer-Encoding", "Trailer", "Content-Length", "Upgrade", "Proxy-Connection":
-			continue
-		}
-		dst[k] = append([]string(nil), vv...)
+// usageOption is the field the proxy adds to ask a stream for its usage
+// (the API's *wire.API.UsageOption) under upstream.stream_usage: never,
+// always, or auto unless the model identity was found not to take it.
+// nil: none.
+func (s *Server) usageOption(api *wire.API, req *chat.Request) []chat.Field {
+	f, ok := api.UsageOption(req)
+	if !ok || s.cfg.Upstream.StreamUsage == "never" {
+		return nil
 	}
-}
-
-// injectUsage reports whether include_usage should be injected.
-func (s *Server) injectUsage(req *chat.Request) bool {
-	if !req.Stream || req.IncludeUsage {
-		return false
+	if s.cfg.Upstream.StreamUsage != "always" && s.up.NoStreamOptions.Unsupported(s.modelIdentity(req.Model)) {
+		return nil
 	}
-	switch s.cfg.Upstream.StreamUsage {
-	case "never":
-		return false
-	case "always":
-		return true
-	}
-	return !s.noStreamOptions.unsupported(s.modelIdentity(req.Model))
-}
-
-// streamOptions returns the client's stream_options with include_usage set.
-func streamOptions(req *chat.Request) []byte {
-	for _, f := range req.Fields {
-		if f.Key != "stream_options" {
-			continue
-		}
-		var m map[string]json.RawMessage
-		if json.Unmarshal(f.Value, &m) == nil && m != nil {
-			m["include_usage"] = json.RawMessage("true")
-			if b, err := json.Marshal(m); err == nil {
-				return b
-			}
-		}
-	}
-	return []byte(`{"include_usage":true}`)
+	return []chat.Field{f}
 }
 
 // body builds the upstream body for the current view.
 func (cr *chatRequest) body() []byte {
-	var set []chat.Field
-	if cr.inject {
-		set = []chat.Field{{Key: "stream_options", Value: streamOptions(cr.req)}}
-	}
-	if cr.unchanged && set == nil {
+	if cr.unchanged && cr.inject == nil {
 		return cr.req.Body
 	}
-	return cr.req.Build(cr.forward, set)
-}
-
-// mentionsStreamOptions recognizes an upstream that rejects stream_options.
-func mentionsStreamOptions(status int, body []byte) bool {
-	return (status == http.StatusBadRequest || status == http.StatusUnprocessableEntity) &&
-		bytes.Contains(body, []byte("stream_options"))
+	return cr.req.Build(cr.forward, cr.inject)
 }

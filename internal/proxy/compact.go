@@ -12,6 +12,7 @@ import (
 	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
 	"github.com/compactproxy/compactproxy/internal/store"
+	"github.com/compactproxy/compactproxy/internal/upstream"
 	"go.uber.org/zap"
 )
 
@@ -69,7 +70,7 @@ func (s *Server) report(cr *chatRequest, cv *conversation, pass compaction.Pass)
 			}
 			s.log.Warn(msg, zap.String("request_id", cr.reqID), zap.String("conversation", cv.id),
 				zap.Int("fixed_tokens", out.Fixed), zap.Int("forwarded_tokens", out.Forwarded),
-				zap.Int("budget", out.Budget), zap.Int("window", s.windows.getFor(cr.windowScope())))
+				zap.Int("budget", out.Budget), zap.Int("window", s.windows.GetFor(cr.windowScope())))
 		}
 	}
 	action := string(out.Action)
@@ -93,9 +94,9 @@ func (s *Server) report(cr *chatRequest, cv *conversation, pass compaction.Pass)
 	if !first {
 		return // the overflow retry: counted once, on the first pass
 	}
-	if s.windows.getFor(cr.windowScope()) == 0 {
+	if s.windows.GetFor(cr.windowScope()) == 0 {
 		s.metrics.UnknownWindow.Inc()
-		if s.windows.warnOnce(cr.req.Model) {
+		if s.windows.WarnOnce(cr.req.Model) {
 			s.log.Warn("context window unknown for model; not compacting", zap.String("model", cr.req.Model))
 		}
 	}
@@ -120,20 +121,17 @@ func (s *Server) report(cr *chatRequest, cv *conversation, pass compaction.Pass)
 // estimated (with the overflow's own measurement) to fit is a better
 // answer than the upstream's 400.
 func (s *Server) recoverOnce(ctx context.Context, r *http.Request, cr *chatRequest, cv *conversation, err error) bool {
-	var ua *upstreamAnswer
+	var ua *upstream.Answer
 	if !errors.As(err, &ua) {
 		return false
 	}
-	status, body := ua.status, ua.body
-	if ua.failure != nil {
-		status, body = http.StatusBadRequest, ua.failure
-	}
-	info, ok := s.learnOverflow(cr, status, body)
+	status, body := ua.Overflow()
+	info, ok := s.up.LearnOverflow(cr.reqID, cr.windowScope(), status, body)
 	if !ok || !cr.compact || s.planner == nil {
 		return false
 	}
-	if info.prompt > 0 {
-		s.recordAnchor(ctx, cr.reqID, cv, cr.forward, anchor.Usage{Input: info.prompt, Uncached: info.prompt, HasInput: true})
+	if info.Prompt > 0 {
+		s.recordAnchor(ctx, cr.reqID, cv, cr.forward, anchor.Usage{Input: info.Prompt, Uncached: info.Prompt, HasInput: true})
 	}
 	before, _, err := cv.memo.chain(cr.forward)
 	if err != nil {
@@ -149,7 +147,7 @@ func (s *Server) recoverOnce(ctx context.Context, r *http.Request, cr *chatReque
 	if out := cr.decision; out.Budget <= 0 || out.Forwarded > out.Budget {
 		return false
 	}
-	s.metrics.UpstreamRetries.WithLabelValues("chat", "context_overflow").Inc()
+	s.metrics.UpstreamRetries.WithLabelValues(cr.api.Dialect.String(), "context_overflow").Inc()
 	return true
 }
 
@@ -163,7 +161,7 @@ func (s *Server) record(ctx context.Context, r *http.Request, cr *chatRequest, c
 		return
 	}
 	// A prompt the upstream accepted: no learned window goes below it.
-	s.windows.accept(cr.windowScope(), u.Input, s.cfg.Upstream.DiscoveryInterval)
+	s.up.Accept(cr.windowScope(), u.Input)
 	s.metrics.UsageInputTokens.WithLabelValues("uncached").Add(float64(u.Uncached))
 	s.metrics.UsageInputTokens.WithLabelValues("cache_read").Add(float64(u.CacheRead))
 	s.metrics.UsageInputTokens.WithLabelValues("cache_write").Add(float64(u.CacheWrite))
@@ -190,7 +188,7 @@ type compactOptions struct {
 func (s *Server) compact(ctx context.Context, r *http.Request, cr *chatRequest, cv *conversation, o compactOptions) (compaction.Output, time.Duration) {
 	reqID := cr.reqID
 	view, model, maxTokens := cr.client, cr.req.Model, cr.req.MaxTokens
-	window := s.windows.getFor(cr.windowScope())
+	window := s.windows.GetFor(cr.windowScope())
 	conv, loaded := s.loadConversation(ctx, reqID, cv.key)
 	estimateOnly := func() compaction.Output {
 		e := s.estimator(cv.memo, conv.Anchors, cv.identity)(view)

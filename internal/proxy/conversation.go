@@ -16,6 +16,7 @@ import (
 	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
 	"github.com/compactproxy/compactproxy/internal/summarizer"
+	"github.com/compactproxy/compactproxy/internal/upstream"
 	"go.uber.org/zap"
 )
 
@@ -583,7 +584,7 @@ func (s *Server) countCompaction(reqID, conversation string, out compaction.Outp
 // logs never carry content.
 func summarizeErrorKind(err error) string {
 	var se *summarizer.StatusError
-	var de DialError
+	var de upstream.DialError
 	switch {
 	case errors.As(err, &se):
 		return "status " + strconv.Itoa(se.StatusCode)

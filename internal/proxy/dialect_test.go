@@ -13,6 +13,8 @@ import (
 	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
 	"github.com/compactproxy/compactproxy/internal/pairing"
+	"github.com/compactproxy/compactproxy/internal/upstream"
+	"github.com/compactproxy/compactproxy/internal/wire"
 )
 
 // dialectUpstream is a Responses + Messages provider with an enforced
@@ -52,10 +54,13 @@ func newDialectUpstream(t *testing.T, window int) *dialectUpstream {
 				u.overflows.Add(1)
 				if req.Stream && u.failInStream {
 					w.Header().Set("Content-Type", "text/event-stream")
-					io.WriteString(w, "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"r\",\"status\":\"in_progress\"}}\n\n")
+					// Full-size events, as OpenAI sends them: each carries
+					// the response object with the request's instructions
+					// and tools (20+ KB for Codex).
+					io.WriteString(w, "event: response.created\ndata: {\"type\":\"response.created\",\"response\":"+fullResponse("in_progress", "null")+"}\n\n")
 					// Members in sorted order, as an encoder that sorts keys
 					// writes them: "type" last.
-					fmt.Fprintf(w, "event: response.failed\ndata: {\"response\":{\"error\":{\"code\":\"context_length_exceeded\",\"message\":\"This model's maximum context length is %d tokens. However, your messages resulted in %d tokens.\"},\"id\":\"r\",\"status\":\"failed\"},\"sequence_number\":1,\"type\":\"response.failed\"}\n\n", u.window, tokens)
+					fmt.Fprintf(w, "event: response.failed\ndata: {\"response\":{\"error\":{\"code\":\"context_length_exceeded\",\"message\":\"This model's maximum context length is %d tokens. However, your messages resulted in %d tokens.\"},\"id\":\"r\",\"instructions\":%q,\"status\":\"failed\"},\"sequence_number\":1,\"type\":\"response.failed\"}\n\n", u.window, tokens, strings.Repeat("You are a coding agent. ", 1000))
 					return
 				}
 				w.WriteHeader(400)
@@ -205,7 +210,7 @@ func TestDialectLoopsCompact(t *testing.T) {
 				fwd := lastAgentRequest(t, up, path)
 				checkForwarded(t, tc.d, step, []byte(body), fwd, newest)
 			}
-			retries := counter(t, p.reg, "compactproxy_upstream_retries_total", map[string]string{"op": "chat", "reason": "context_overflow"})
+			retries := counter(t, p.reg, "compactproxy_upstream_retries_total", map[string]string{"op": tc.d.String(), "reason": "context_overflow"})
 			t.Logf("overflows %d, recovered %v, summarize calls %d, compacted answers %d", up.overflows.Load(), retries, up.summaries.Load(), summarized)
 			if overstated && (up.overflows.Load() == 0 || retries != float64(up.overflows.Load())) {
 				t.Errorf("overstated window: %d overflows, %v recovered (want every one)", up.overflows.Load(), retries)
@@ -400,6 +405,24 @@ func TestAnthropicUpstreamKey(t *testing.T) {
 	}
 }
 
+// TestAnthropicUpstreamKeyOnPassThrough: pass-through routes (Claude
+// Code's count_tokens, models) carry the proxy's upstream key in
+// Anthropic's own header too, never as a Bearer token Anthropic ignores.
+func TestAnthropicUpstreamKeyOnPassThrough(t *testing.T) {
+	up := newDialectUpstream(t, 4000)
+	cfg := testConfig(up.URL)
+	cfg.Upstream.Dialect = "anthropic"
+	cfg.Upstream.APIKey = "sk-ant-upstream"
+	cfg.Auth.AllowAnonymous = true
+	p := newTestProxy(t, cfg)
+	resp := p.post(t, "/v1/messages/count_tokens", `{"model":"m","messages":[{"role":"user","content":"hi"}]}`, "X-Api-Key", "sk-client")
+	readAll(t, resp)
+	h := up.last(t).Header
+	if h.Get("X-Api-Key") != "sk-ant-upstream" || h.Get("Authorization") != "" {
+		t.Fatalf("%d: count_tokens reached the upstream with X-Api-Key %q, Authorization %q; want the upstream key in X-Api-Key only", resp.StatusCode, h.Get("X-Api-Key"), h.Get("Authorization"))
+	}
+}
+
 // TestDialectSummarizeCallShape: the summarize call continues the client's
 // own request in its dialect, without the fields that would shape or cut
 // the summary (llama-server's n_predict, Anthropic's thinking budget).
@@ -450,7 +473,7 @@ func TestStreamErrorEventPerDialect(t *testing.T) {
 		chat.DialectResponses: `event: error` + "\n" + `data: {"type":"error","code":"upstream_timeout","message":"compactproxy: the upstream broke off the stream (upstream timed out)"}`,
 		chat.DialectMessages:  `event: error` + "\n" + `data: {"type":"error","error":{"type":"api_error","message":"compactproxy: the upstream broke off the stream (upstream timed out)"}}`,
 	} {
-		if got := string(streamErrorEvent(d, failTimeout)); got != want+"\n\n" {
+		if got := string(streamErrorEvent(wire.For(d), upstream.FailTimeout)); got != want+"\n\n" {
 			t.Errorf("%s: %q, want %q", d, got, want+"\n\n")
 		}
 	}

@@ -2,20 +2,16 @@ package proxy
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"io"
 	"net/http"
 	"time"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
-	"github.com/compactproxy/compactproxy/internal/chat"
+	"github.com/compactproxy/compactproxy/internal/upstream"
+	"github.com/compactproxy/compactproxy/internal/wire"
 	"go.uber.org/zap"
 )
-
-// maxErrorBody bounds how much of an upstream error answer is read to
-// classify it (stream_options rejection, context overflow).
-const maxErrorBody = 1 << 20
 
 // maxJSONBody bounds a non-streamed completion read to find its usage.
 const maxJSONBody = 256 << 20
@@ -24,74 +20,62 @@ const maxJSONBody = 256 << 20
 // (retry.*) and the stream_options fallback (an upstream that rejects the
 // injected stream_options gets the request again as the client wrote it;
 // only when that succeeds is the model identity remembered as not
-// supporting it). It returns the upstream's successful response (its body
-// still to relay), or the error that ends the request: *upstreamAnswer
-// for the upstream's own error answer, *upstreamError when there was no
-// usable answer, errClientGone when the client left.
+// supporting it). Each send is one upstream.Attempt built from the
+// request's current view. It returns the upstream's successful response
+// (its body still to relay), or the error that ends the request:
+// *upstream.Answer for the upstream's own error answer, *upstream.Error
+// when there was no usable answer, errClientGone when the client left.
 func (s *Server) send(ctx context.Context, cr *chatRequest) (*http.Response, error) {
 	ri := infoFrom(ctx)
 	if !cr.sent {
-		cr.inject = cr.dialect == chat.DialectChat && s.injectUsage(cr.req)
+		cr.inject = s.usageOption(cr.api, cr.req)
 	}
 	streamOptionsResend := false
 	for {
-		body := cr.body()
+		at := s.attempt(cr)
 		if !cr.sent { // a resend (recovery) is not overhead of the request path
 			cr.sent = true
 			s.metrics.Overhead.Observe((time.Since(cr.start) - cr.spent).Seconds())
 		}
 		upStart := time.Now()
-		resp, err := s.retrier.do(ctx, "chat", func() (*http.Request, error) {
-			target := s.dialectURLs[cr.dialect]
-			if cr.query != "" {
-				target += "?" + cr.query
-			}
-			req, err := http.NewRequest(http.MethodPost, target, cr.pb.reader(body))
-			if err != nil {
-				return nil, err
-			}
-			req.Header = cr.headers.Clone()
-			req.Header.Set("Content-Type", "application/json")
-			req.ContentLength = int64(len(body))
-			return req, nil
-		})
-		if err != nil {
+		resp, err := s.up.Retrier.Send(ctx, at)
+		var ua *upstream.Answer
+		switch {
+		case err == nil:
+		case errors.As(err, &ua):
 			ri.upstream = time.Since(upStart)
-			if ctx.Err() != nil {
-				return nil, errClientGone
-			}
-			return nil, &upstreamError{failure: classifyUpstream(err), err: err}
-		}
-		if resp.StatusCode >= 400 {
-			errBody, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
-			resp.Body.Close()
-			ri.upstream = time.Since(upStart)
-			if cr.inject && s.cfg.Upstream.StreamUsage == "auto" && mentionsStreamOptions(resp.StatusCode, errBody) {
+			if cr.inject != nil && s.cfg.Upstream.StreamUsage == "auto" && cr.api.RefusesUsageOption(ua.Status, ua.Body) {
 				// Maybe an upstream that does not know stream_options, maybe
 				// the client's own bad stream_options: send the request
 				// again as the client wrote it, and learn only if that
 				// succeeds (below).
-				s.metrics.UpstreamRetries.WithLabelValues("chat", "stream_options").Inc()
-				cr.inject = false
+				s.metrics.UpstreamRetries.WithLabelValues(cr.api.Dialect.String(), "stream_options").Inc()
+				cr.inject = nil
 				streamOptionsResend = true
 				continue
 			}
-			return nil, &upstreamAnswer{status: resp.StatusCode, header: resp.Header, body: errBody}
+			return nil, err
+		case ctx.Err() != nil:
+			ri.upstream = time.Since(upStart)
+			return nil, errClientGone
+		default:
+			ri.upstream = time.Since(upStart)
+			return nil, err
 		}
-		if cr.dialect == chat.DialectResponses && isEventStream(resp.Header.Get("Content-Type")) {
-			// An overflow may come as response.failed inside a 200 stream:
-			// held until the answer has begun, it is an error answer like
-			// a 400, and recovery can still retry.
-			replay, failed, errBody := earlyFailure(resp.Body)
+		if isEventStream(resp.Header.Get("Content-Type")) {
+			// An overflow may come as a failure event inside a 200 stream
+			// (Responses): held until the answer has begun, it is an error
+			// answer like a 400, and recovery can still retry.
+			replay, failure := cr.api.HoldEarly(resp.Body)
 			resp.Body = replay
-			if failed {
+			if failure != nil {
 				all, _ := io.ReadAll(replay)
 				ri.upstream = time.Since(upStart)
-				return nil, &upstreamAnswer{status: resp.StatusCode, header: resp.Header, body: all, failure: errBody}
+				return nil, &upstream.Answer{Status: resp.StatusCode, Header: resp.Header, Body: all, Failure: failure}
 			}
 		}
 		if streamOptionsResend {
-			s.noStreamOptions.learn(s.modelIdentity(cr.req.Model))
+			s.up.NoStreamOptions.Learn(s.modelIdentity(cr.req.Model))
 			s.log.Info("upstream rejects stream_options for this model; usage injection paused",
 				zap.String("request_id", ri.id), zap.Duration("for", s.cfg.Upstream.DiscoveryInterval))
 		}
@@ -100,10 +84,28 @@ func (s *Server) send(ctx context.Context, cr *chatRequest) (*http.Response, err
 	}
 }
 
+// attempt is the outgoing request for the request's current view: what
+// may change between its sends (the view after recovery, the
+// stream_options the proxy injects) is read here, once per send.
+func (s *Server) attempt(cr *chatRequest) upstream.Attempt {
+	body := cr.body()
+	target := s.apiURLs[cr.api.Dialect].url
+	if cr.query != "" {
+		target += "?" + cr.query
+	}
+	return upstream.Attempt{
+		Op:     cr.api.Dialect.String(), // retries are counted under the route served
+		URL:    target,
+		Header: cr.headers,
+		Body:   func() io.ReadCloser { return cr.pb.reader(body) },
+		Length: int64(len(body)),
+	}
+}
+
 func (s *Server) writeHeaders(w http.ResponseWriter, cr *chatRequest, up http.Header) {
 	h := w.Header()
 	own := h.Get("X-Request-Id")
-	copyResponseHeaders(h, up)
+	upstream.CopyResponseHeader(h, up)
 	keepRequestID(h, own)
 	for k, vv := range cr.respHeaders {
 		h[k] = vv
@@ -140,14 +142,14 @@ func (s *Server) relay(w http.ResponseWriter, r *http.Request, cr *chatRequest, 
 		if f, ok := w.(http.Flusher); ok {
 			f.Flush()
 		}
-		err := relayDialectEvents(w, resp.Body, &streamRules{d: cr.dialect}, cr.inject, record)
+		err := relayEvents(w, resp.Body, cr.api.NewStream(cr.inject != nil), record)
 		var broken streamBroken
 		switch {
 		case err == nil:
 		case r.Context().Err() != nil || errors.Is(err, errClientGone):
 			ri.status = 499
 		case errors.As(err, &broken):
-			s.abortStream(w, ri, cr.dialect, classifyUpstream(broken.error))
+			s.abortStream(w, ri, cr.api, upstream.Classify(broken.error))
 		}
 		return
 	}
@@ -157,10 +159,10 @@ func (s *Server) relay(w http.ResponseWriter, r *http.Request, cr *chatRequest, 
 			ri.status = 499
 			return
 		}
-		f := classifyUpstream(err)
+		f := upstream.Classify(err)
 		s.log.Warn("upstream body read failed", zap.String("request_id", ri.id),
-			zap.String("upstream", s.dialectLogURLs[cr.dialect]), zap.String("error_class", f.code))
-		writeErrorIn(cr.dialect, w, http.StatusBadGateway, "upstream_error", f.code, "", "compactproxy: the upstream answer was cut off ("+f.text+")")
+			zap.String("upstream", s.apiURLs[cr.api.Dialect].log), zap.String("error_class", f.Code))
+		writeErrorIn(cr.api, w, http.StatusBadGateway, "upstream_error", f.Code, "", "compactproxy: the upstream answer was cut off ("+f.Text+")")
 		return
 	}
 	if u, ok := anchor.UsageFromJSON(body); ok {
@@ -170,41 +172,25 @@ func (s *Server) relay(w http.ResponseWriter, r *http.Request, cr *chatRequest, 
 	_, _ = w.Write(body)
 }
 
-// streamErrorEvent is the SSE event a client gets when the upstream broke
-// off a stream; the abort that follows makes the stream end uncleanly too.
-func streamErrorEvent(d chat.Dialect, f upstreamFailure) []byte {
-	msg := "compactproxy: the upstream broke off the stream (" + f.text + ")"
-	switch d {
-	case chat.DialectResponses:
-		// The Responses stream's own error event.
-		body, _ := json.Marshal(struct {
-			Type    string `json:"type"`
-			Code    string `json:"code"`
-			Message string `json:"message"`
-		}{"error", f.code, msg})
-		return append(append([]byte("event: error\ndata: "), body...), '\n', '\n')
-	case chat.DialectMessages:
-		return append(append([]byte("event: error\ndata: "), anthropicError("api_error", msg)...), '\n', '\n')
-	}
-	body, _ := json.Marshal(struct {
-		Error apiError `json:"error"`
-	}{apiError{Message: msg, Type: "upstream_error", Code: &f.code}})
-	return append(append([]byte("data: "), body...), '\n', '\n')
-}
-
 // abortStream ends a stream the upstream broke off: the error event, then
 // http.ErrAbortHandler, so the client sees an incomplete response rather
 // than a clean end with half an answer (httputil's Issue 23643; CRAFT
 // habit 15). The usage that arrived was already recorded by relayEvents.
-func (s *Server) abortStream(w http.ResponseWriter, ri *reqInfo, d chat.Dialect, f upstreamFailure) {
+func (s *Server) abortStream(w http.ResponseWriter, ri *reqInfo, api *wire.API, f upstream.Failure) {
 	s.metrics.StreamAborts.Inc()
 	s.log.Warn("upstream stream broken off", zap.String("request_id", ri.id),
-		zap.String("upstream", s.dialectLogURLs[d]), zap.String("error_class", f.code))
+		zap.String("upstream", s.apiURLs[api.Dialect].log), zap.String("error_class", f.Code))
 	ri.aborted = true
-	if _, err := w.Write(streamErrorEvent(d, f)); err == nil {
+	if _, err := w.Write(streamErrorEvent(api, f)); err == nil {
 		if fl, ok := w.(http.Flusher); ok {
 			fl.Flush()
 		}
 	}
 	panic(http.ErrAbortHandler)
+}
+
+// streamErrorEvent is the SSE event a client gets when the upstream broke
+// off a stream; the abort that follows makes the stream end uncleanly too.
+func streamErrorEvent(api *wire.API, f upstream.Failure) []byte {
+	return api.StreamError(f.Code, "compactproxy: the upstream broke off the stream ("+f.Text+")")
 }

@@ -135,7 +135,7 @@ func TestIdleProxyReleasesBurstMemory(t *testing.T) {
 	}
 	wg.Wait()
 	client.CloseIdleConnections()
-	p.srv.transport.CloseIdleConnections()
+	p.srv.up.Transport.CloseIdleConnections()
 	waitPoolsIdle(t)
 	runtime.GC() // one collection, as an idle process gets every two minutes
 	runtime.ReadMemStats(&after)

@@ -57,15 +57,12 @@ func (s *Server) pair(r *http.Request, cr *chatRequest) error {
 	param := fmt.Sprintf("messages[%d]", idx)
 	if idx >= 0 && idx < len(msgs) {
 		idx = msgs[idx].Index
-		param = fmt.Sprintf("messages[%d]", idx)
-		if cr.dialect != chat.DialectChat {
-			param = cr.req.Param(idx) // the client's item, not the chat message
-		}
+		param = cr.api.PairingParam(cr.req, idx) // the client's item, not the chat message
 	}
 	ci.pairing = "rejected"
 	s.log.Info("pairing violation", zap.String("request_id", ri.id), zap.Strings("kinds", kinds))
 	return &clientError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "invalid_tool_pairing",
-		param: param, detail: describePairing(cr.dialect, v, param, idx)}
+		param: param, detail: cr.api.DescribePairing(v, param, idx)}
 }
 
 // applyRemovals applies pairing.Repair's removals to the chat messages:

@@ -12,6 +12,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/compactproxy/compactproxy/internal/upstream"
 	"go.uber.org/zap"
 )
 
@@ -22,27 +23,24 @@ func (s *Server) passthrough() *httputil.ReverseProxy {
 	return &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			p := pr.In.URL.Path
-			target := s.up.root
+			target := s.up.Target.Root
 			if rest, ok := strings.CutPrefix(p, "/v1/"); ok {
-				target = s.up.base
+				target = s.up.Target.Base
 				p = rest
 			}
-			u := join(target, p)
+			u := upstream.Join(target, p)
 			u.RawQuery = pr.In.URL.RawQuery
 			pr.Out.URL = u
 			pr.Out.Host = ""
 			// As on chat: the proxy's own headers and the first configured
 			// conversation header stop here; agents' own ones pass.
-			pr.Out.Header.Del("X-Compactproxy-Conversation")
-			pr.Out.Header.Del("X-Compactproxy-Bypass")
-			if hs := s.cfg.Compaction.ConversationHeaders; len(hs) > 0 {
-				pr.Out.Header.Del(hs[0])
+			for _, k := range s.ownHeaders() {
+				pr.Out.Header.Del(k)
 			}
-			if key := s.cfg.Upstream.APIKey.Reveal(); key != "" {
-				pr.Out.Header.Del("X-Api-Key")
-				pr.Out.Header.Del("Api-Key")
-				pr.Out.Header.Set("Authorization", "Bearer "+key)
-			}
+			// The proxy's upstream key in the upstream's own header, as on
+			// the chat routes (Anthropic's X-Api-Key for dialect anthropic:
+			// count_tokens and models carried a Bearer token it ignores).
+			upstream.SetKey(pr.Out.Header, s.cfg.Upstream.APIKey.Reveal(), s.cfg.Upstream.Dialect)
 		},
 		ModifyResponse: func(resp *http.Response) error {
 			// The proxy's X-Request-Id stays (observe set it on the
@@ -55,7 +53,7 @@ func (s *Server) passthrough() *httputil.ReverseProxy {
 			}
 			return nil
 		},
-		Transport:     s.transport,
+		Transport:     s.up.Transport,
 		FlushInterval: -1,
 		// ReverseProxy logs body-copy errors with the Go error string
 		// (internal addresses); the access log says aborted instead.
@@ -70,9 +68,9 @@ func (s *Server) passthrough() *httputil.ReverseProxy {
 				infoFrom(r.Context()).status = 499
 				return
 			}
-			f := classifyUpstream(err)
+			f := upstream.Classify(err)
 			s.log.Warn("pass-through upstream request failed", zap.String("request_id", infoFrom(r.Context()).id),
-				zap.String("upstream", logURL(r.URL)), zap.String("error_class", f.code))
+				zap.String("upstream", upstream.LogURL(r.URL)), zap.String("error_class", f.Code))
 			writeUpstreamFailure(w, f)
 		},
 	}

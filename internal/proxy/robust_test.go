@@ -28,6 +28,14 @@ func closedPort(t *testing.T) string {
 	return addr
 }
 
+// apiError is OpenAI's error envelope body (wire.OpenAIError writes it).
+type apiError struct {
+	Message string  `json:"message"`
+	Type    string  `json:"type"`
+	Param   *string `json:"param"`
+	Code    *string `json:"code"`
+}
+
 // envelope decodes OpenAI's error envelope; it fails the test for
 // anything else.
 func envelope(t *testing.T, b []byte) apiError {

@@ -1,6 +1,8 @@
-// Package proxy is compactproxy's HTTP side: routing, the chat-completions
-// path (parse, pairing, compaction, forward, stream, usage capture), the
-// pass-through reverse proxy, retries and health endpoints.
+// Package proxy is compactproxy's HTTP side: routing, the compacted
+// routes' pipeline (parse, pairing, compaction, send, relay, usage
+// capture), the pass-through reverse proxy, auth, the access log, health
+// and admin endpoints. The upstream client is internal/upstream; what
+// differs per API is internal/wire.
 package proxy
 
 import (
@@ -9,12 +11,13 @@ import (
 	"net/http"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
-	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
 	"github.com/compactproxy/compactproxy/internal/config"
 	"github.com/compactproxy/compactproxy/internal/metrics"
 	"github.com/compactproxy/compactproxy/internal/store"
 	"github.com/compactproxy/compactproxy/internal/summarizer"
+	"github.com/compactproxy/compactproxy/internal/upstream"
+	"github.com/compactproxy/compactproxy/internal/wire"
 	"github.com/go-chi/chi/v5"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -32,62 +35,57 @@ type Server struct {
 	log     *zap.Logger
 	metrics *metrics.Metrics
 	handler http.Handler
-	up      upstreamURLs
-	// dialectURLs are the upstream URLs of the compacted routes, by
-	// chat.Dialect (chat completions, responses, messages).
-	dialectURLs [3]string
-	// dialectLogURLs are dialectURLs as logs may show them.
-	dialectLogURLs [3]string
-	transport      *http.Transport
-	retrier        *retrier
-	auth           *clientAuth
-	tenantSecret   []byte
-	ready          *readiness
-	windows        *windows
-	upstreamName   string
-	store          store.Backend
-	storeHealth    storeHealth
-	flights        flights
-	calibration    *anchor.Calibration
-	impossible     onceSet // conversations warned about a fixed part over the budget
-	local          anchor.LocalEstimator
-	planner        *compaction.Planner // nil when compaction is off
-	sum            *summarizer.Client  // nil when the summarizer is off
-	digests        *digestCache
-	parses         *parseCache
+	// up is the upstream client: transport, retries, windows.
+	up *upstream.Client
+	// apiURLs are the upstream URLs of the compacted routes, by
+	// chat.Dialect (wire.APIs), and as logs may show them.
+	apiURLs      []apiURL
+	auth         *clientAuth
+	tenantSecret []byte
+	ready        *readiness
+	windows      *upstream.Windows // up.Windows
+	upstreamName string
+	store        store.Backend
+	storeHealth  storeHealth
+	flights      flights
+	calibration  *anchor.Calibration
+	impossible   onceSet // conversations warned about a fixed part over the budget
+	local        anchor.LocalEstimator
+	planner      *compaction.Planner // nil when compaction is off
+	sum          *summarizer.Client  // nil when the summarizer is off
+	digests      *digestCache
+	parses       *parseCache
 	// summarizerIsUpstream: the summarizer is the chat upstream itself, so
 	// the client's own credentials may be used for it.
 	summarizerIsUpstream bool
 	sumSem               chan struct{}
-
-	// noStreamOptions: model identities whose upstream rejected
-	// stream_options (upstream.stream_usage auto), for discovery_interval.
-	noStreamOptions *streamOptionsMemo
 }
+
+// apiURL is where one API's requests go upstream, and how logs show it.
+type apiURL struct{ url, log string }
 
 // New builds a Server from a validated configuration. reg is the registry the
 // proxy's metrics are registered on (and that /metrics serves).
 func New(cfg config.Config, log *zap.Logger, reg *prometheus.Registry) (*Server, error) {
-	up, err := parseUpstream(cfg.Upstream.URL)
-	if err != nil || up.base.Scheme == "" || up.base.Host == "" {
-		return nil, fmt.Errorf("proxy: upstream.url %q is not an absolute URL", cfg.Upstream.URL)
-	}
 	if log == nil {
 		log = zap.NewNop()
 	}
 	s := &Server{
-		cfg:             cfg,
-		log:             log.Named("proxy"),
-		metrics:         metrics.New(reg),
-		up:              up,
-		noStreamOptions: newStreamOptionsMemo(cfg.Upstream.DiscoveryInterval),
-		transport:       newTransport(),
+		cfg:     cfg,
+		log:     log.Named("proxy"),
+		metrics: metrics.New(reg),
 	}
-	for d := range s.dialectURLs {
-		s.dialectURLs[d] = join(up.base, upstreamPath(chat.Dialect(d))).String()
-		s.dialectLogURLs[d] = logURL(join(up.base, upstreamPath(chat.Dialect(d))))
+	up, err := upstream.New(cfg.Upstream, cfg.Retry, cfg.Models, s.log, func(op, reason string) {
+		s.metrics.UpstreamRetries.WithLabelValues(op, reason).Inc()
+	})
+	if err != nil {
+		return nil, fmt.Errorf("proxy: upstream.url %q is not an absolute URL", cfg.Upstream.URL)
 	}
-	s.retrier = &retrier{policy: cfg.Retry, rt: s.transport, metrics: s.metrics}
+	s.up, s.windows = up, up.Windows
+	for _, api := range wire.APIs {
+		u, l := up.URL(api.UpstreamPath)
+		s.apiURLs = append(s.apiURLs, apiURL{u, l})
+	}
 	s.auth = &clientAuth{required: cfg.Upstream.APIKey != "", allowAnonymous: cfg.Auth.AllowAnonymous}
 	for _, k := range cfg.Auth.ClientKeys {
 		s.auth.keys = append(s.auth.keys, []byte(k.Reveal()))
@@ -97,16 +95,8 @@ func New(cfg config.Config, log *zap.Logger, reg *prometheus.Registry) (*Server,
 		s.tenantSecret = make([]byte, 32)
 		_, _ = rand.Read(s.tenantSecret)
 	}
-	s.ready = newReadiness(s)
-	table := map[string]int{}
-	for _, m := range cfg.Models {
-		table[m.Name] = m.ContextWindow
-	}
-	s.windows = newWindows(table, cfg.Upstream.ContextWindow)
-	s.upstreamName = cfg.Upstream.Name
-	if s.upstreamName == "" {
-		s.upstreamName = up.base.Host
-	}
+	s.ready = &readiness{probe: up.Probe}
+	s.upstreamName = up.Name
 	if s.store, err = openStore(cfg.Store); err != nil {
 		return nil, err
 	}
@@ -130,12 +120,13 @@ func (s *Server) routes(reg *prometheus.Registry) http.Handler {
 	wrap := func(route string, h http.HandlerFunc) http.Handler {
 		return observe(route, s.log.Named("access"), s.metrics, h)
 	}
-	r.Method(http.MethodPost, "/v1/chat/completions", wrap("chat", s.handleChat))
-	// The Responses API and Anthropic Messages go through the same
-	// pipeline (DESIGN § Other APIs); their other paths (a stored
-	// response, count_tokens, /v1/responses/compact) pass through.
-	r.Method(http.MethodPost, "/v1/responses", wrap("responses", s.handleChat))
-	r.Method(http.MethodPost, "/v1/messages", wrap("messages", s.handleChat))
+	// Chat completions, the Responses API and Anthropic Messages go
+	// through the same pipeline (DESIGN § Other APIs); their other paths
+	// (a stored response, count_tokens, /v1/responses/compact) pass
+	// through.
+	for _, api := range wire.APIs {
+		r.Method(http.MethodPost, api.Route, wrap(api.Dialect.String(), s.handleChat))
+	}
 	r.Method(http.MethodPost, "/v1/compactproxy/preview", wrap("preview", s.handlePreview))
 	r.Method(http.MethodGet, "/v1/compactproxy/conversations/{id}", wrap("admin", s.handleConversation))
 	r.Method(http.MethodDelete, "/v1/compactproxy/conversations/{id}", wrap("admin", s.handleForget))
@@ -164,6 +155,6 @@ func (s *Server) Handler() http.Handler { return s.handler }
 
 // Close releases resources.
 func (s *Server) Close() error {
-	s.transport.CloseIdleConnections()
+	s.up.Transport.CloseIdleConnections()
 	return s.store.Close()
 }

@@ -2,12 +2,12 @@ package proxy
 
 import (
 	"bytes"
-	"encoding/json"
 	"errors"
 	"strings"
 	"testing"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
+	"github.com/compactproxy/compactproxy/internal/wire"
 )
 
 // doneWatcher fails the test if [DONE] is written before usage was
@@ -56,7 +56,7 @@ func TestUsageReportedBeforeDone(t *testing.T) {
 			reported := false
 			got := 0
 			w := &doneWatcher{t: t, reported: &reported}
-			err := relayEvents(w, strings.NewReader(tc.stream), tc.hide, func(u anchor.Usage) {
+			err := relayEvents(w, strings.NewReader(tc.stream), wire.ChatCompletions.NewStream(tc.hide), func(u anchor.Usage) {
 				reported = true
 				got = u.Input
 			})
@@ -77,32 +77,6 @@ func TestUsageReportedBeforeDone(t *testing.T) {
 				}
 			}
 		})
-	}
-}
-
-func TestCutTopLevelKey(t *testing.T) {
-	cases := []struct{ in, want string }{
-		{`{"usage":{"a":1},"id":"x"}`, `{"id":"x"}`},
-		{`{"id":"x","usage":{"a":1}}`, `{"id":"x"}`},
-		{`{"id":"x","usage":null,"n":2}`, `{"id":"x","n":2}`},
-		{`{ "id" : "x" , "usage" : { "a" : [1,2] } , "n" : 2 }`, `{ "id" : "x" , "n" : 2 }`},
-		{`{"usage":1}`, `{}`},
-		{`{"id":"usage","choices":[{"usage":1}],"usage":{}}`, `{"id":"usage","choices":[{"usage":1}]}`},
-	}
-	for _, tc := range cases {
-		got, ok := cutTopLevelKey([]byte(tc.in), "usage")
-		if !ok || string(got) != tc.want {
-			t.Errorf("cut(%s) = %s, %v; want %s", tc.in, got, ok, tc.want)
-		}
-		var v any
-		if json.Unmarshal(got, &v) != nil {
-			t.Errorf("cut(%s) is not JSON: %s", tc.in, got)
-		}
-	}
-	for _, in := range []string{`{"id":"x"}`, `[1]`, `{"id":`, `{"choices":[{"usage":1}]}`} {
-		if got, ok := cutTopLevelKey([]byte(in), "usage"); ok {
-			t.Errorf("cut(%s) = %s, want no cut", in, got)
-		}
 	}
 }
 
@@ -133,7 +107,7 @@ func TestRelayEventsEnds(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			var out bytes.Buffer
-			err := relayEvents(&out, strings.NewReader(tc.stream), tc.hide, func(anchor.Usage) {})
+			err := relayEvents(&out, strings.NewReader(tc.stream), wire.ChatCompletions.NewStream(tc.hide), func(anchor.Usage) {})
 			var broken streamBroken
 			if got := errors.As(err, &broken); got != tc.broken {
 				t.Errorf("relayEvents = %v, want broken=%v", err, tc.broken)

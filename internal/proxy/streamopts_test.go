@@ -5,7 +5,6 @@ import (
 	"io"
 	"net/http"
 	"testing"
-	"time"
 )
 
 // One client's bad stream_options must not turn usage injection off for
@@ -59,29 +58,5 @@ func TestStreamOptionsLearnedOnProofPerModel(t *testing.T) {
 	// ...for that model only.
 	if _, b := send(`{"model":"new","stream":true,"messages":[{"role":"user","content":"x"}]}`); !injected(b) {
 		t.Errorf("model new lost injection because model old lacks it: %s", b)
-	}
-}
-
-func TestStreamOptionsMemoExpires(t *testing.T) {
-	now := time.Unix(1000, 0)
-	m := newStreamOptionsMemo(5 * time.Minute)
-	m.now = func() time.Time { return now }
-	m.learn("up\x00old")
-	if !m.unsupported("up\x00old") || m.unsupported("up\x00new") {
-		t.Fatal("learned identity not scoped")
-	}
-	now = now.Add(5*time.Minute - time.Second)
-	if !m.unsupported("up\x00old") {
-		t.Error("forgotten before the interval")
-	}
-	now = now.Add(time.Second)
-	if m.unsupported("up\x00old") {
-		t.Error("not forgotten after upstream.discovery_interval")
-	}
-	for i := range maxStreamOptionsEntries + 10 {
-		m.learn(string(rune(i)))
-	}
-	if len(m.until) > maxStreamOptionsEntries {
-		t.Errorf("memo grew to %d entries", len(m.until))
 	}
 }

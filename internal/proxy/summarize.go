@@ -16,6 +16,8 @@ import (
 	"github.com/compactproxy/compactproxy/internal/compaction"
 	"github.com/compactproxy/compactproxy/internal/store"
 	"github.com/compactproxy/compactproxy/internal/summarizer"
+	"github.com/compactproxy/compactproxy/internal/upstream"
+	"github.com/compactproxy/compactproxy/internal/wire"
 )
 
 func (s *Server) compactionConfig() compaction.Config {
@@ -178,21 +180,18 @@ func (s *Server) newSummarizer() *summarizer.Client {
 	s.sumSem = make(chan struct{}, max(c.MaxConcurrent, 1))
 	// An overflow answer is read in the upstream's dialect when the
 	// summarizer is the upstream, else in any dialect compactproxy knows.
-	dialect := "auto"
-	if s.summarizerIsUpstream {
-		dialect = s.cfg.Upstream.Dialect
+	overflow := "auto"
+	if s.summarizerIsUpstream && s.cfg.Upstream.Dialect != "" {
+		overflow = s.cfg.Upstream.Dialect
 	}
-	return summarizer.New(retryTransport{r: s.retrier, op: "summarize"}, summarizer.Options{
-		URL:       url,
-		APIKey:    key,
-		Model:     c.Model,
-		MaxTokens: c.MaxTokens,
-		Dialect:   s.cfg.Upstream.Dialect,
-		Timeout:   c.Timeout,
-		Overflow: func(status int, body []byte) (int, int, bool) {
-			info, ok := recognizeOverflow(dialect, status, body)
-			return info.prompt, info.nCtx, ok
-		},
+	return summarizer.New(s.up.Retrier.Transport("summarize"), summarizer.Options{
+		URL:             url,
+		APIKey:          key,
+		Model:           c.Model,
+		MaxTokens:       c.MaxTokens,
+		Dialect:         s.cfg.Upstream.Dialect,
+		Timeout:         c.Timeout,
+		OverflowDialect: overflow,
 	})
 }
 
@@ -223,11 +222,11 @@ func (s *Server) summaryCall(h http.Header, req *chat.Request) summarizer.Call {
 	if s.summarizerIsUpstream {
 		// The window the client would get for that model (its tenant's
 		// learned window included).
-		call.Window = s.windows.getFor(windowScope{tenant: tenantOf(s.tenantSecret, h), model: sumModel, shape: windowShape(h)})
+		call.Window = s.windows.GetFor(upstream.Scope{Tenant: tenantOf(s.tenantSecret, h), Model: sumModel, Shape: upstream.WindowShape(h)})
 		fit := s.calibration.Fit(s.modelIdentity(sumModel))
 		call.Count = func(text string) int { return textTokens(fit, len(text)) }
 	} else {
-		call.Window = s.windows.listed(sumModel)
+		call.Window = s.windows.Listed(sumModel)
 	}
 	if s.summarizerIsUpstream && s.cfg.Compaction.Summarizer.APIKey == "" && s.cfg.Upstream.APIKey == "" {
 		call.Credentials = http.Header{}
@@ -256,86 +255,32 @@ func (s *Server) summaryCall(h http.Header, req *chat.Request) summarizer.Call {
 	return call
 }
 
-// dialectBuilder is requestBuilder for a Responses or Messages request: the
-// client's request itself continued (its items' bytes are its own, so the
-// builder may run after the request is over), not streamed, with the
-// summary's own limit, no tool call, and without the options that would
-// shape or cut the summary (Anthropic's extended thinking: its budget must
-// stay under max_tokens).
-func dialectBuilder(req *chat.Request) summarizer.Builder {
-	// Codex's own compaction request sends "tools": [] — no tool_choice
-	// for an empty tool list.
-	hasTools := req.HasField("tools") && !bytes.Equal(bytes.TrimSpace(req.FieldValue("tools")), []byte("[]"))
-	return func(msgs []chat.Message, maxTokens int) []byte {
-		limit := []byte(strconv.Itoa(maxTokens))
-		set := append([]chat.Field{{Key: "response_format"}}, serverOutputFields...)
-		if req.Dialect() == chat.DialectResponses {
-			set = append(set, chat.Field{Key: "stream", Value: []byte("false")}, chat.Field{Key: "max_output_tokens", Value: limit},
-				chat.Field{Key: "stream_options"}, chat.Field{Key: "text"}, chat.Field{Key: "parallel_tool_calls"},
-				chat.Field{Key: "max_tool_calls"}, chat.Field{Key: "background"}, chat.Field{Key: "previous_response_id"},
-				chat.Field{Key: "tool_choice"})
-			if hasTools {
-				set[len(set)-1].Value = []byte(`"none"`)
-			}
-		} else {
-			set = append(set, chat.Field{Key: "stream", Value: []byte("false")}, chat.Field{Key: "max_tokens", Value: limit},
-				chat.Field{Key: "thinking"}, chat.Field{Key: "stop_sequences"}, chat.Field{Key: "tool_choice"})
-			if hasTools {
-				set[len(set)-1].Value = []byte(`{"type":"none"}`)
-			}
-		}
-		return req.Build(msgs, set)
-	}
-}
-
-// serverOutputFields are servers' own length and format options, removed
-// from every summarize request: they win over its token limit
-// (llama-server reads n_predict first: a client's n_predict 16 for its
-// answers cut the summary to 16 tokens), and a grammar would force its
-// format on the summary.
-var serverOutputFields = []chat.Field{{Key: "n_predict"}, {Key: "ignore_eos"}, {Key: "min_tokens"},
-	{Key: "grammar"}, {Key: "json_schema"}, {Key: "guided_json"}, {Key: "guided_regex"},
-	{Key: "guided_choice"}, {Key: "guided_grammar"}}
-
 // requestBuilder writes the summarize request as a continuation of the
 // client's very request when the summarizer is the chat upstream and
 // model: same model, tools and other top-level fields as the client sent
 // them, so the forwarded prefix and the upstream's prompt cache are shared,
-// with tool_choice "none", no streaming, no output options that would shape
-// the summary (OpenAI's, and llama-server's and vLLM's own length and
-// format fields), and the summary's own token limit. It keeps its own copy
-// of the top-level fields (the messages array is replaced anyway).
+// with the fields the request's API sets or removes for a summary
+// (*wire.API.SummaryFields: no tool call, no streaming, no option that
+// would shape or cut it, the summary's own token limit). A chat request's
+// top-level fields are copied (the messages array is replaced anyway; the
+// body is pooled); a Responses or Messages request's items are its own, so
+// the builder may run after the request is over.
 func (s *Server) requestBuilder(req *chat.Request) summarizer.Builder {
-	if req.Dialect() != chat.DialectChat {
-		return dialectBuilder(req)
-	}
-	own := &chat.Request{Fields: make([]chat.Field, 0, len(req.Fields))}
-	hasTools := false
-	for _, f := range req.Fields {
-		hasTools = hasTools || f.Key == "tools"
-		c := chat.Field{Key: strings.Clone(f.Key)}
-		if f.Key != "messages" {
-			c.Value = bytes.Clone(f.Value)
+	api := wire.For(req.Dialect())
+	own := req
+	if req.Dialect() == chat.DialectChat { // only a chat body is pooled (readChat)
+		own = &chat.Request{Fields: make([]chat.Field, 0, len(req.Fields))}
+		for _, f := range req.Fields {
+			c := chat.Field{Key: strings.Clone(f.Key)}
+			if f.Key != "messages" {
+				c.Value = bytes.Clone(f.Value)
+			}
+			own.Fields = append(own.Fields, c)
 		}
-		own.Fields = append(own.Fields, c)
 	}
-	maxKey, otherKey := "max_tokens", "max_completion_tokens"
-	if s.cfg.Upstream.Dialect == "openai" {
-		maxKey, otherKey = otherKey, maxKey
-	}
+	dialect := s.cfg.Upstream.Dialect
 	return func(msgs []chat.Message, maxTokens int) []byte {
-		set := []chat.Field{
-			{Key: "stream", Value: []byte("false")},
-			{Key: maxKey, Value: []byte(strconv.Itoa(maxTokens))},
-			{Key: otherKey}, {Key: "stream_options"}, {Key: "n"}, {Key: "response_format"},
-			{Key: "stop"}, {Key: "logprobs"}, {Key: "top_logprobs"}, {Key: "prediction"},
-			{Key: "parallel_tool_calls"},
-			{Key: "tool_choice"},
-		}
-		if hasTools {
-			set[len(set)-1].Value = []byte(`"none"`)
-		}
-		return own.Build(msgs, append(set, serverOutputFields...))
+		return own.Build(msgs, api.SummaryFields(own, maxTokens, dialect))
 	}
 }
 
@@ -493,7 +438,7 @@ func (s *Server) makeSummary(ctx context.Context, name string, fl *flight, job *
 // own copy of the messages; when a summarize of the lineage is running
 // already, nothing more is done.
 func (s *Server) presummarize(ctx context.Context, r *http.Request, cr *chatRequest, cv *conversation) {
-	window := s.windows.getFor(cr.windowScope())
+	window := s.windows.GetFor(cr.windowScope())
 	if window == 0 || s.planner == nil {
 		return
 	}

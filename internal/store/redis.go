@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"crypto/sha1"
+	"crypto/tls"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -13,13 +14,23 @@ import (
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/compaction"
+	"github.com/compactproxy/compactproxy/internal/store/redisurl"
 	"github.com/redis/go-redis/v9"
 )
 
 // Redis is the redis backend (store.backend redis): state shared by
-// replicas. Per conversation two keys, {prefix}a:{key} (anchors) and
-// {prefix}r:{key} (record lineages), so the response path and the
-// compaction path never write the same key; leases are {prefix}l:{name}.
+// replicas, in one Redis node, a master found through Sentinel, or a Redis
+// Cluster (store.redis.url, package redisurl). Per conversation two keys,
+// anchors and record lineages, so the response path and the compaction
+// path never write the same key; a lease is one key of its own:
+//
+//	single node, Sentinel: <prefix>a:<key>   <prefix>r:<key>   <prefix>l:<name>
+//	Cluster:               <prefix>{<key>}:a <prefix>{<key>}:r <prefix>{<name>}:l
+//
+// On a cluster the conversation part is a hash tag ("{...}"): both keys
+// hash to one slot, so MGET, DEL and the compare-and-set script (which
+// touches both) run on one node. A single node and a Sentinel master keep
+// the untagged names, so a deployment upgraded in place keeps its state.
 // The proxy's keys name the tenant by its HMAC and the conversation by an
 // opaque digest, never a raw credential or content. Every key is written
 // with the TTL, and every write refreshes the TTL of the conversation's
@@ -33,9 +44,12 @@ import (
 //
 // Redis is state, not a dependency of traffic: every operation is bounded
 // by the timeout, and after a failure operations fail fast with
-// ErrUnavailable for a second before Redis is tried again.
+// ErrUnavailable for a second before Redis is tried again. A failover
+// (Sentinel or Cluster) fails operations only until go-redis follows the
+// new master, which it learns by itself.
 type Redis struct {
-	c       *redis.Client
+	c       redis.UniversalClient
+	tagged  bool // cluster: a conversation's keys share a hash tag
 	prefix  string
 	ttl     time.Duration
 	timeout time.Duration
@@ -47,7 +61,7 @@ type Redis struct {
 
 // RedisOptions configures OpenRedis.
 type RedisOptions struct {
-	URL     string        // redis://[:password@]host:6379/0 or rediss://
+	URL     string        // store.redis.url: redis://, rediss://, redis+sentinel://, redis+cluster:// (package redisurl)
 	Prefix  string        // key prefix, e.g. "compactproxy:"
 	TTL     time.Duration // of every key (must be > 0)
 	Timeout time.Duration // per operation (0: 200ms)
@@ -92,24 +106,57 @@ var quietOnce sync.Once
 // OpenRedis connects lazily: it fails only on a bad URL, never because
 // Redis is down at start (the proxy serves traffic without it).
 func OpenRedis(o RedisOptions) (*Redis, error) {
-	opt, err := redis.ParseURL(o.URL)
+	u, err := redisurl.Parse(o.URL)
 	if err != nil {
-		// ParseURL's error may quote the URL (and its password).
-		return nil, errors.New("store: store.redis.url is not a valid redis:// or rediss:// URL")
+		return nil, fmt.Errorf("store: store.redis.url %w", err)
 	}
 	if o.Timeout <= 0 {
 		o.Timeout = 200 * time.Millisecond
 	}
 	quietOnce.Do(func() { redis.SetLogger(quietLogger{}) })
-	opt.DialTimeout = o.Timeout
-	opt.ReadTimeout = o.Timeout
-	opt.WriteTimeout = o.Timeout
-	opt.ContextTimeoutEnabled = true
-	opt.MaxRetries = -1 // a retry would double the time a request waits
-	opt.DialerRetries = 1
-	opt.DisableIdentity = true
+	var c redis.UniversalClient
+	if u.Mode == redisurl.Single {
+		// go-redis' own parser, as before: its query options keep working.
+		opt, err := redis.ParseURL(o.URL)
+		if err != nil {
+			// ParseURL's error may quote the URL (and its password).
+			return nil, errors.New("store: store.redis.url is not a valid redis:// or rediss:// URL")
+		}
+		opt.DialTimeout = o.Timeout
+		opt.ReadTimeout = o.Timeout
+		opt.WriteTimeout = o.Timeout
+		opt.ContextTimeoutEnabled = true
+		opt.MaxRetries = -1 // a retry would double the time a request waits
+		opt.DialerRetries = 1
+		opt.DisableIdentity = true
+		c = redis.NewClient(opt)
+	} else {
+		uo := &redis.UniversalOptions{
+			Addrs:            u.Addrs,
+			Username:         u.Username,
+			Password:         u.Password,
+			DB:               u.DB,
+			MasterName:       u.Master, // "" unless Sentinel
+			SentinelUsername: u.SentinelUsername,
+			SentinelPassword: u.SentinelPassword,
+			IsClusterMode:    u.Mode == redisurl.Cluster, // one seed node is a cluster too
+
+			DialTimeout:           o.Timeout,
+			ReadTimeout:           o.Timeout,
+			WriteTimeout:          o.Timeout,
+			ContextTimeoutEnabled: true,
+			MaxRetries:            -1,
+			DialerRetries:         1,
+			DisableIdentity:       true,
+		}
+		if u.TLS {
+			uo.TLSConfig = &tls.Config{MinVersion: tls.VersionTLS12} // server name: each address's host
+		}
+		c = redis.NewUniversalClient(uo)
+	}
 	return &Redis{
-		c:       redis.NewClient(opt),
+		c:       c,
+		tagged:  u.Mode == redisurl.Cluster,
 		prefix:  o.Prefix,
 		ttl:     o.TTL,
 		timeout: o.Timeout,
@@ -118,9 +165,22 @@ func OpenRedis(o RedisOptions) (*Redis, error) {
 	}, nil
 }
 
-func (r *Redis) anchorsKey(key string) string { return r.prefix + "a:" + key }
-func (r *Redis) recordsKey(key string) string { return r.prefix + "r:" + key }
-func (r *Redis) leaseKey(name string) string  { return r.prefix + "l:" + name }
+func (r *Redis) anchorsKey(key string) string { return r.key("a", key) }
+func (r *Redis) recordsKey(key string) string { return r.key("r", key) }
+func (r *Redis) leaseKey(name string) string  { return r.key("l", name) }
+
+// key names one of the proxy's keys (see Redis). On a cluster the slot is
+// that of the first "{...}" with something inside: the keys of one
+// conversation are the same text up to the tag's "}", so they share a
+// slot (the proxy's keys begin with the tenant, never with "}", which
+// would leave the tag empty). Config validation refuses a prefix with
+// braces, which could put every key in one slot.
+func (r *Redis) key(kind, name string) string {
+	if r.tagged {
+		return r.prefix + "{" + name + "}:" + kind
+	}
+	return r.prefix + kind + ":" + name
+}
 
 // op bounds one operation and fails fast while Redis is down.
 func (r *Redis) op(ctx context.Context) (context.Context, context.CancelFunc, error) {

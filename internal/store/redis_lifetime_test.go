@@ -30,7 +30,7 @@ func pttl(t *testing.T, rd *storetest.Redis, key string) int {
 // never loses it. The aging is simulated with PEXPIRE: no clock involved.
 func TestRedisWriteRefreshesSiblingTTL(t *testing.T) {
 	rd := storetest.StartRedis(t)
-	r := openTestRedis(t, rd, time.Hour, time.Second)
+	r := openTestRedis(t, rd.URL(), time.Hour, time.Second)
 	ctx := context.Background()
 	if err := r.UpdateLineages(ctx, "k", saveLineage(lineage(1, "the summary"), 0, true)); err != nil {
 		t.Fatal(err)
@@ -59,7 +59,7 @@ func TestRedisWriteRefreshesSiblingTTL(t *testing.T) {
 // re-encoded it. An unreadable value reads as absent, whole.
 func TestRedisUnreadableLineagesReadAsAbsent(t *testing.T) {
 	rd := storetest.StartRedis(t)
-	r := openTestRedis(t, rd, time.Hour, time.Second)
+	r := openTestRedis(t, rd.URL(), time.Hour, time.Second)
 	ctx := context.Background()
 	good := encodeLineages([]compaction.Lineage{lineage(1, "one"), lineage(2, "two"), lineage(3, "three")})
 	cut := good[:bytes.Index(good, []byte("three"))+2] // ends inside the third summary

@@ -13,9 +13,9 @@ import (
 	"github.com/compactproxy/compactproxy/internal/store/storetest"
 )
 
-func openTestRedis(t *testing.T, rd *storetest.Redis, ttl, timeout time.Duration) *Redis {
+func openTestRedis(t *testing.T, url string, ttl, timeout time.Duration) *Redis {
 	t.Helper()
-	r, err := OpenRedis(RedisOptions{URL: rd.URL(), Prefix: "cp:", TTL: ttl, Timeout: timeout})
+	r, err := OpenRedis(RedisOptions{URL: url, Prefix: "cp:", TTL: ttl, Timeout: timeout})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -26,7 +26,7 @@ func openTestRedis(t *testing.T, rd *storetest.Redis, ttl, timeout time.Duration
 // Every key carries the TTL: state never outlives store.ttl in Redis.
 func TestRedisKeysExpire(t *testing.T) {
 	rd := storetest.StartRedis(t)
-	r := openTestRedis(t, rd, 300*time.Millisecond, time.Second)
+	r := openTestRedis(t, rd.URL(), 300*time.Millisecond, time.Second)
 	ctx := context.Background()
 	if err := r.UpdateAnchors(ctx, "k", addAnchor(anchor.Anchor{PrefixLen: 2})); err != nil {
 		t.Fatal(err)
@@ -54,7 +54,7 @@ func TestRedisKeysExpire(t *testing.T) {
 // a round trip; once Redis is back, the backend recovers by itself.
 func TestRedisOutageAndRecovery(t *testing.T) {
 	rd := storetest.StartRedis(t)
-	r := openTestRedis(t, rd, time.Hour, 200*time.Millisecond)
+	r := openTestRedis(t, rd.URL(), time.Hour, 200*time.Millisecond)
 	r.pause = 200 * time.Millisecond
 	ctx := context.Background()
 	if err := r.UpdateAnchors(ctx, "k", addAnchor(anchor.Anchor{PrefixLen: 2})); err != nil {
@@ -98,7 +98,7 @@ func TestRedisOutageAndRecovery(t *testing.T) {
 // a summary's metadata, a drop, a latch and a throttle.
 func TestConversationSize(t *testing.T) {
 	rd := storetest.StartRedis(t)
-	r := openTestRedis(t, rd, 24*time.Hour, time.Second)
+	r := openTestRedis(t, rd.URL(), 24*time.Hour, time.Second)
 	b, err := OpenBolt(t.TempDir()+"/size.db", BoltOptions{TTL: 24 * time.Hour})
 	if err != nil {
 		t.Fatal(err)
@@ -176,7 +176,7 @@ func BenchmarkRedisLoad(b *testing.B) {
 // the timeout instead of waiting, and the backend comes back after it.
 func TestRedisSlow(t *testing.T) {
 	rd := storetest.StartRedis(t)
-	r := openTestRedis(t, rd, time.Hour, 100*time.Millisecond)
+	r := openTestRedis(t, rd.URL(), time.Hour, 100*time.Millisecond)
 	r.pause = 50 * time.Millisecond
 	ctx := context.Background()
 	if err := r.UpdateAnchors(ctx, "k", addAnchor(anchor.Anchor{PrefixLen: 2})); err != nil {

@@ -3,10 +3,12 @@
 // that an agent can continue from. It answers the summary a compaction decision asks for
 // (compaction.SummaryRequest).
 //
-// The request is encoded with go-openai's types (a request compactproxy
-// builds itself; client requests are never re-encoded with them). Retries
-// are the transport's business (the proxy passes one with its retry policy
-// under op="summarize"); this package applies Options.Timeout per call.
+// The request and the answer's text are in the shape of the API the call
+// speaks (internal/wire's SummaryRequest and SummaryText: chat
+// completions unless the call names another); client requests are never
+// re-encoded. Retries are the transport's business (the proxy passes one
+// with its retry policy under op="summarize"); this package applies
+// Options.Timeout per call.
 package summarizer
 
 import (
@@ -24,6 +26,7 @@ import (
 	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
+	"github.com/compactproxy/compactproxy/internal/wire"
 	openai "github.com/sashabaranov/go-openai"
 )
 
@@ -48,7 +51,8 @@ type StatusError struct {
 	StatusCode int
 	// Message is the error envelope's message, else the start of the body.
 	Message string
-	// Overflow: Options.Overflow recognized a context overflow; Prompt is
+	// Overflow: the answer is a context overflow in the words of
+	// Options.OverflowDialect (wire.RecognizeOverflow); Prompt is
 	// the prompt size it reported and Window the model's window it named
 	// (0 = not said).
 	Overflow bool
@@ -88,13 +92,13 @@ type Options struct {
 	// a head that does not fit one request is summarized in chunks, each
 	// folded into the running summary.
 	Window int
-	// Overflow recognizes the endpoint's context-overflow answer (its
-	// status and body), the prompt size it reports and the window it names
-	// (0 = not said); nil recognizes none. A transcript request answered so
-	// is sent again in smaller chunks, counted at the rate the answer
-	// measured, within the window it names when none was known; a
-	// prefix-shaped one gives way to a transcript.
-	Overflow func(status int, body []byte) (prompt, window int, ok bool)
+	// OverflowDialect is the upstream.dialect whose context-overflow
+	// answers the endpoint gives (wire.RecognizeOverflow: "auto" any of
+	// them); "" recognizes none. A transcript request answered so is sent
+	// again in smaller chunks, counted at the rate the answer measured,
+	// within the window it names when none was known; a prefix-shaped one
+	// gives way to a transcript.
+	OverflowDialect string
 }
 
 // Client calls the summarizer endpoint. Safe for concurrent use.
@@ -514,35 +518,20 @@ func requestTokens(count Counter, prompt, previous, transcript string) int {
 func (c *Client) call(ctx context.Context, call *Call, model, previous, transcript string, maxTokens int, prompt string) (string, error) {
 	user := userText(previous, transcript)
 
-	var body []byte
-	var err error
-	switch call.Dialect {
-	case "responses":
-		body, err = json.Marshal(map[string]any{"model": model, "instructions": prompt, "store": false,
-			"input":             []map[string]any{{"type": "message", "role": "user", "content": user}},
-			"max_output_tokens": maxTokens})
-	case "messages":
-		body, err = json.Marshal(map[string]any{"model": model, "system": prompt, "max_tokens": maxTokens,
-			"messages": []map[string]any{{"role": "user", "content": user}}})
-	default:
-		req := openai.ChatCompletionRequest{
-			Model: model,
-			Messages: []openai.ChatCompletionMessage{
-				{Role: openai.ChatMessageRoleSystem, Content: prompt},
-				{Role: openai.ChatMessageRoleUser, Content: user},
-			},
-		}
-		if c.opt.Dialect == "openai" {
-			req.MaxCompletionTokens = maxTokens
-		} else {
-			req.MaxTokens = maxTokens
-		}
-		body, err = json.Marshal(req)
-	}
+	body, err := c.api(call).SummaryRequest(model, prompt, user, maxTokens, c.opt.Dialect)
 	if err != nil {
 		return "", fmt.Errorf("summarizer: encode: %w", err)
 	}
 	return c.post(ctx, call, body)
+}
+
+// api is the API the call speaks (Call.Dialect; chat completions when
+// none).
+func (c *Client) api(call *Call) *wire.API {
+	if api, ok := wire.Named(call.Dialect); ok {
+		return api
+	}
+	return wire.ChatCompletions
 }
 
 // post sends one summarize request body and returns the answer's text,
@@ -553,14 +542,8 @@ func (c *Client) post(ctx context.Context, call *Call, body []byte) (string, err
 		ctx, cancel = context.WithTimeout(ctx, c.opt.Timeout)
 		defer cancel()
 	}
-	path := "/chat/completions"
-	switch call.Dialect {
-	case "responses":
-		path = "/responses"
-	case "messages":
-		path = "/messages"
-	}
-	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, c.opt.URL+path, bytes.NewReader(body))
+	api := c.api(call)
+	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, c.opt.URL+"/"+api.UpstreamPath, bytes.NewReader(body))
 	if err != nil {
 		return "", fmt.Errorf("summarizer: request: %w", err)
 	}
@@ -593,8 +576,9 @@ func (c *Client) post(ctx context.Context, call *Call, body []byte) (string, err
 	}
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
 		se := &StatusError{StatusCode: resp.StatusCode, Message: errorMessage(data)}
-		if c.opt.Overflow != nil {
-			se.Prompt, se.Window, se.Overflow = c.opt.Overflow(resp.StatusCode, data)
+		if c.opt.OverflowDialect != "" {
+			info, ok := wire.RecognizeOverflow(c.opt.OverflowDialect, resp.StatusCode, data)
+			se.Prompt, se.Window, se.Overflow = info.Prompt, info.NCtx, ok
 		}
 		return "", se
 	}
@@ -603,19 +587,12 @@ func (c *Client) post(ctx context.Context, call *Call, body []byte) (string, err
 			call.OnUsage(u)
 		}
 	}
-	if call.Dialect != "" {
-		return dialectText(call.Dialect, data)
-	}
-	var out openai.ChatCompletionResponse
-	if err := json.Unmarshal(data, &out); err != nil {
+	text, why, err := api.SummaryText(data)
+	if err != nil {
 		return "", fmt.Errorf("%w: %v", ErrBadResponse, err)
 	}
-	if len(out.Choices) == 0 {
-		return "", fmt.Errorf("%w: no choices", ErrBadResponse)
-	}
-	text := strings.TrimSpace(out.Choices[0].Message.Content)
 	if text == "" {
-		return "", fmt.Errorf("%w (finish_reason %q)", ErrEmptySummary, out.Choices[0].FinishReason)
+		return "", fmt.Errorf("%w (%s)", ErrEmptySummary, why)
 	}
 	return text, nil
 }
@@ -720,51 +697,4 @@ func arguments(raw json.RawMessage) string {
 		return s
 	}
 	return string(raw)
-}
-
-// dialectText is the text of a Responses answer (its output message items'
-// output_text parts) or a Messages answer (its text blocks).
-func dialectText(dialect string, data []byte) (string, error) {
-	var out struct {
-		Output []struct {
-			Type    string `json:"type"`
-			Content []struct {
-				Type string `json:"type"`
-				Text string `json:"text"`
-			} `json:"content"`
-		} `json:"output"`
-		Content []struct {
-			Type string `json:"type"`
-			Text string `json:"text"`
-		} `json:"content"`
-		Status     string `json:"status"`
-		StopReason string `json:"stop_reason"`
-	}
-	if err := json.Unmarshal(data, &out); err != nil {
-		return "", fmt.Errorf("%w: %v", ErrBadResponse, err)
-	}
-	var sb strings.Builder
-	if dialect == "responses" {
-		for _, it := range out.Output {
-			if it.Type != "message" {
-				continue
-			}
-			for _, p := range it.Content {
-				if p.Type == "output_text" {
-					sb.WriteString(p.Text)
-				}
-			}
-		}
-	} else {
-		for _, b := range out.Content {
-			if b.Type == "text" {
-				sb.WriteString(b.Text)
-			}
-		}
-	}
-	text := strings.TrimSpace(sb.String())
-	if text == "" {
-		return "", fmt.Errorf("%w (status %q%s)", ErrEmptySummary, out.Status, out.StopReason)
-	}
-	return text, nil
 }

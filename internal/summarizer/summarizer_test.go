@@ -517,24 +517,8 @@ const vocabWindow, vocabSteps = 2048, 6
 func smallVocabClient(t *testing.T) (c *Client, ep *endpoint, prompts *[]int, h []chat.Message) {
 	prompts = new([]int)
 	ep = smallVocab(t, vocabWindow, prompts)
-	c = New(ep.Client().Transport, Options{URL: ep.URL + "/v1", Model: "m", Window: vocabWindow, Overflow: llamaOverflow})
+	c = New(ep.Client().Transport, Options{URL: ep.URL + "/v1", Model: "m", Window: vocabWindow, OverflowDialect: "llamacpp"})
 	return c, ep, prompts, agentHead(t, vocabSteps, 400)
-}
-
-// llamaOverflow recognizes smallVocab's refusal (the proxy passes its own
-// recognizer of every dialect's).
-func llamaOverflow(status int, body []byte) (int, int, bool) {
-	var env struct {
-		Error struct {
-			Type          string `json:"type"`
-			NPromptTokens int    `json:"n_prompt_tokens"`
-			NCtx          int    `json:"n_ctx"`
-		} `json:"error"`
-	}
-	if status != http.StatusBadRequest || json.Unmarshal(body, &env) != nil || env.Error.Type != "exceed_context_size_error" {
-		return 0, 0, false
-	}
-	return env.Error.NPromptTokens, env.Error.NCtx, true
 }
 
 // sentResults is which of agentHead's tool results the answered requests
@@ -615,7 +599,7 @@ func TestOverflowAnswerResendsSmaller(t *testing.T) {
 	// A summarizer whose window is not known: the refusal names it, and
 	// the transcript is chunked within it.
 	*pp = (*pp)[:0]
-	unknown := New(ep.Client().Transport, Options{URL: ep.URL + "/v1", Model: "m", Overflow: llamaOverflow})
+	unknown := New(ep.Client().Transport, Options{URL: ep.URL + "/v1", Model: "m", OverflowDialect: "llamacpp"})
 	if _, err := unknown.Summarize(context.Background(), call); err != nil {
 		t.Fatalf("unknown window: %v", err)
 	}
@@ -642,7 +626,7 @@ func TestPrefixShapeOverflowGivesWayToATranscript(t *testing.T) {
 	const window = 2048
 	var prompts []int
 	ep := smallVocab(t, window, &prompts)
-	c := New(ep.Client().Transport, Options{URL: ep.URL + "/v1", Model: "m", Window: window, Overflow: llamaOverflow})
+	c := New(ep.Client().Transport, Options{URL: ep.URL + "/v1", Model: "m", Window: window, OverflowDialect: "llamacpp"})
 	h := agentHead(t, 3, 900)
 	var built [][]chat.Message
 	call := Call{

@@ -197,77 +197,11 @@ func TestReplicasShareRedis(t *testing.T) {
 	// 1. The loop alternates: one summary serves both, anchors recorded by
 	// one replica are seen by the other, the forwarded prefix is stable.
 	a := newLoopAgent("")
-	var steps []stepResult
-	for i := 1; i <= 24; i++ {
-		r := send(t, replicas[i%2].URL, a)
-		if r.status != 200 {
-			t.Fatalf("step %d: status %d %s\n%s", i, r.status, r.answer, replicas[i%2].LogTail())
-		}
-		r.forwardedPrefix = forwarded(t, up.last())
-		steps = append(steps, r)
-		a.grow(t, r.answer, i)
-	}
-	summarized, anchored, stable, pairs := 0, 0, 0, 0
-	for i, s := range steps {
-		t.Logf("step %2d replica %d: %-10s source %s", i+1, (i+1)%2, s.action, s.source)
-		if s.action == "summarized" {
-			summarized++
-		}
-		if i > 0 && s.source == "anchor" {
-			anchored++
-		}
-		if i > 0 && s.action == "reused" && (steps[i-1].action == "reused" || steps[i-1].action == "summarized") {
-			pairs++
-			if isPrefix(steps[i-1].forwardedPrefix, s.forwardedPrefix) {
-				stable++
-			}
-		}
-	}
-	calls := int(sum.calls.Load())
-	t.Logf("summarize calls %d, summarized steps %d; anchored estimates %d of %d; prefix stable across replicas %d of %d", calls, summarized, anchored, len(steps)-1, stable, pairs)
-	if calls == 0 || calls != summarized {
-		t.Fatalf("summarize calls %d, summarized steps %d: want at least one, each made once", calls, summarized)
-	}
-	if calls > 4 {
-		t.Errorf("summarize calls %d for 24 steps: the replicas do not share the summary", calls)
-	}
-	if pairs == 0 || stable != pairs {
-		t.Errorf("forwarded prefix stable across replicas in %d of %d consecutive reused steps", stable, pairs)
-	}
-	if anchored < len(steps)-2 {
-		t.Errorf("only %d of %d steps estimated from an anchor: anchors not shared", anchored, len(steps)-1)
-	}
+	alternateShares(t, replicas, up, sum, a)
 
 	// 2. Concurrent over-trigger requests of one conversation spread over
 	// both replicas: exactly one summarize call.
-	b := newLoopAgent("concurrent")
-	for i := 1; i <= 16; i++ {
-		content, _ := json.Marshal(strings.Repeat(fmt.Sprintf("class Worker%d: retry = %d\n", i, i), 40))
-		b.msgs = append(b.msgs,
-			fmt.Sprintf(`{"role":"assistant","content":null,"tool_calls":[{"id":"k%d","type":"function","function":{"name":"cat","arguments":"{}"}}]}`, i),
-			fmt.Sprintf(`{"role":"tool","tool_call_id":"k%d","content":%s}`, i, content))
-	}
-	sum.delay.Store(int64(600 * time.Millisecond))
-	before := sum.calls.Load()
-	var wg sync.WaitGroup
-	results := make([]stepResult, 8)
-	for i := range results {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			results[i] = send(t, replicas[i%2].URL, b)
-		}()
-	}
-	wg.Wait()
-	sum.delay.Store(0)
-	for i, r := range results {
-		if r.status != 200 {
-			t.Fatalf("concurrent request %d: status %d", i, r.status)
-		}
-	}
-	if n := sum.calls.Load() - before; n != 1 {
-		t.Fatalf("8 concurrent over-trigger requests on 2 replicas: %d summarize calls, want 1", n)
-	}
+	concurrentSummarizeOnce(t, replicas, sum)
 
 	// Keys: every one with a TTL, naming the tenant by its HMAC and the
 	// conversation by a digest (no key, no content).
@@ -377,5 +311,88 @@ func TestBoltSurvivesRestart(t *testing.T) {
 	}
 	if !isPrefix(last.forwardedPrefix, forwarded(t, up.last())) {
 		t.Fatal("the forwarded prefix changed across the restart")
+	}
+}
+
+// alternateShares runs 24 steps of a's loop alternating between two
+// replicas: one summary serves both, anchors recorded by one replica are
+// seen by the other, the forwarded prefix is stable across them.
+func alternateShares(t *testing.T, replicas []*proxyProc, up *stateUpstream, sum *countingSummarizer, a *loopAgent) {
+	t.Helper()
+	before := int(sum.calls.Load())
+	var steps []stepResult
+	for i := 1; i <= 24; i++ {
+		r := send(t, replicas[i%2].URL, a)
+		if r.status != 200 {
+			t.Fatalf("step %d: status %d %s\n%s", i, r.status, r.answer, replicas[i%2].LogTail())
+		}
+		r.forwardedPrefix = forwarded(t, up.last())
+		steps = append(steps, r)
+		a.grow(t, r.answer, i)
+	}
+	summarized, anchored, stable, pairs := 0, 0, 0, 0
+	for i, s := range steps {
+		t.Logf("step %2d replica %d: %-10s source %s", i+1, (i+1)%2, s.action, s.source)
+		if s.action == "summarized" {
+			summarized++
+		}
+		if i > 0 && s.source == "anchor" {
+			anchored++
+		}
+		if i > 0 && s.action == "reused" && (steps[i-1].action == "reused" || steps[i-1].action == "summarized") {
+			pairs++
+			if isPrefix(steps[i-1].forwardedPrefix, s.forwardedPrefix) {
+				stable++
+			}
+		}
+	}
+	calls := int(sum.calls.Load()) - before
+	t.Logf("summarize calls %d, summarized steps %d; anchored estimates %d of %d; prefix stable across replicas %d of %d", calls, summarized, anchored, len(steps)-1, stable, pairs)
+	if calls == 0 || calls != summarized {
+		t.Fatalf("summarize calls %d, summarized steps %d: want at least one, each made once", calls, summarized)
+	}
+	if calls > 4 {
+		t.Errorf("summarize calls %d for 24 steps: the replicas do not share the summary", calls)
+	}
+	if pairs == 0 || stable != pairs {
+		t.Errorf("forwarded prefix stable across replicas in %d of %d consecutive reused steps", stable, pairs)
+	}
+	if anchored < len(steps)-2 {
+		t.Errorf("only %d of %d steps estimated from an anchor: anchors not shared", anchored, len(steps)-1)
+	}
+}
+
+// concurrentSummarizeOnce sends 8 concurrent over-trigger requests of one
+// conversation spread over both replicas: exactly one summarize call (the
+// lease).
+func concurrentSummarizeOnce(t *testing.T, replicas []*proxyProc, sum *countingSummarizer) {
+	t.Helper()
+	b := newLoopAgent("concurrent")
+	for i := 1; i <= 16; i++ {
+		content, _ := json.Marshal(strings.Repeat(fmt.Sprintf("class Worker%d: retry = %d\n", i, i), 40))
+		b.msgs = append(b.msgs,
+			fmt.Sprintf(`{"role":"assistant","content":null,"tool_calls":[{"id":"k%d","type":"function","function":{"name":"cat","arguments":"{}"}}]}`, i),
+			fmt.Sprintf(`{"role":"tool","tool_call_id":"k%d","content":%s}`, i, content))
+	}
+	sum.delay.Store(int64(600 * time.Millisecond))
+	before := sum.calls.Load()
+	var wg sync.WaitGroup
+	results := make([]stepResult, 8)
+	for i := range results {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			results[i] = send(t, replicas[i%2].URL, b)
+		}()
+	}
+	wg.Wait()
+	sum.delay.Store(0)
+	for i, r := range results {
+		if r.status != 200 {
+			t.Fatalf("concurrent request %d: status %d", i, r.status)
+		}
+	}
+	if n := sum.calls.Load() - before; n != 1 {
+		t.Fatalf("8 concurrent over-trigger requests on 2 replicas: %d summarize calls, want 1", n)
 	}
 }

@@ -246,6 +246,13 @@ func TestKubernetesManifests(t *testing.T) {
 				t.Fatal("no container compactproxy")
 			}
 
+			// The image is built locally (make docker) and loaded into the
+			// nodes, or pushed and renamed with kustomize images: either
+			// way, never pulled when present.
+			if p := str(proxy, "imagePullPolicy"); p != "IfNotPresent" {
+				t.Errorf("compactproxy container: imagePullPolicy %q, want IfNotPresent (image %s)", p, str(proxy, "image"))
+			}
+
 			// The environment: ConfigMap keys (envFrom) and env entries.
 			env := map[string]string{} // name -> literal value ("" for valueFrom)
 			fromSecret := map[string]bool{}

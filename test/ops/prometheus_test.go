@@ -41,14 +41,20 @@ type opsUpstream struct {
 	mu             sync.Mutex
 	prompt, cached int // summed over the usage it reported
 	flakySeen      map[string]bool
-	flaky503       int
+	flaky503       map[string]int // by route: chat, messages
 }
 
 func (u *opsUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	body, _ := io.ReadAll(r.Body)
-	if r.URL.Path != "/v1/chat/completions" {
+	// Claude Code's route too: its failures must reach the same alerts.
+	messages := r.URL.Path == "/v1/messages"
+	if r.URL.Path != "/v1/chat/completions" && !messages {
 		http.NotFound(w, r) // discovery finds no window: "mystery" stays unknown
 		return
+	}
+	route := "chat"
+	if messages {
+		route = "messages"
 	}
 	var req struct {
 		Model    string `json:"model"`
@@ -67,6 +73,10 @@ func (u *opsUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	case strings.Contains(last, markBroken):
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(http.StatusInternalServerError)
+		if messages {
+			io.WriteString(w, `{"type":"error","error":{"type":"api_error","message":"mock: internal error"}}`)
+			return
+		}
 		io.WriteString(w, `{"error":{"message":"mock: internal error","type":"server_error"}}`)
 		return
 	case strings.Contains(last, markFlaky):
@@ -74,12 +84,16 @@ func (u *opsUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		first := !u.flakySeen[last]
 		u.flakySeen[last] = true
 		if first {
-			u.flaky503++
+			u.flaky503[route]++
 		}
 		u.mu.Unlock()
 		if first {
 			w.Header().Set("Content-Type", "application/json")
 			w.WriteHeader(http.StatusServiceUnavailable)
+			if messages {
+				io.WriteString(w, `{"type":"error","error":{"type":"overloaded_error","message":"mock: overloaded"}}`)
+				return
+			}
 			io.WriteString(w, `{"error":{"message":"mock: loading","type":"unavailable"}}`)
 			return
 		}
@@ -100,6 +114,11 @@ func (u *opsUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	u.cached += n / 2
 	u.mu.Unlock()
 	w.Header().Set("Content-Type", "application/json")
+	if messages {
+		fmt.Fprintf(w, `{"id":"msg_1","type":"message","role":"assistant","model":%q,"content":[{"type":"text","text":"ok"}],"stop_reason":"end_turn","usage":{"input_tokens":%d,"cache_read_input_tokens":%d,"output_tokens":5}}`,
+			req.Model, n-n/2, n/2)
+		return
+	}
 	fmt.Fprintf(w, `{"id":"c","object":"chat.completion","model":%q,"choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":%d,"completion_tokens":5,"total_tokens":%d,"prompt_tokens_details":{"cached_tokens":%d}}}`,
 		req.Model, n, n+5, n/2)
 }
@@ -128,6 +147,7 @@ func (s *opsSummarizer) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // loopTally is what the scripted clients saw.
 type loopTally struct {
 	codes               map[int]int    // chat status codes
+	msgCodes            map[int]int    // Anthropic Messages status codes
 	actions             map[string]int // X-Compactproxy-Compaction
 	contextSum, fwdSum  float64        // header sums
 	withHeaders         int
@@ -148,10 +168,24 @@ type msg map[string]any
 // send posts one chat request and tallies the answer.
 func (c *chatClient) send(model string, msgs []msg, stream bool) int {
 	c.t.Helper()
-	body, _ := json.Marshal(map[string]any{"model": model, "messages": msgs, "stream": stream})
-	req, _ := http.NewRequest(http.MethodPost, c.base+"/v1/chat/completions", bytes.NewReader(body))
+	return c.post("/v1/chat/completions", map[string]any{"model": model, "messages": msgs, "stream": stream}, c.tl.codes)
+}
+
+// sendMessages posts one Anthropic Messages request (Claude Code's route)
+// and tallies the answer.
+func (c *chatClient) sendMessages(model, text string) int {
+	c.t.Helper()
+	body := map[string]any{"model": model, "max_tokens": 64, "messages": []msg{{"role": "user", "content": text}}}
+	return c.post("/v1/messages", body, c.tl.msgCodes)
+}
+
+func (c *chatClient) post(path string, v any, codes map[int]int) int {
+	c.t.Helper()
+	body, _ := json.Marshal(v)
+	req, _ := http.NewRequest(http.MethodPost, c.base+path, bytes.NewReader(body))
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Authorization", "Bearer sk-ops-test")
+	req.Header.Set("Anthropic-Version", "2023-06-01")
 	resp, err := c.hc.Do(req)
 	if err != nil {
 		c.t.Fatalf("chat: %v", err)
@@ -161,7 +195,7 @@ func (c *chatClient) send(model string, msgs []msg, stream bool) int {
 	if rerr != nil {
 		c.tl.streamErrors++
 	}
-	c.tl.codes[resp.StatusCode]++
+	codes[resp.StatusCode]++
 	if a := resp.Header.Get("X-Compactproxy-Compaction"); a != "" {
 		c.tl.actions[a]++
 		ctx, err1 := strconv.Atoi(resp.Header.Get("X-Compactproxy-Context-Tokens"))
@@ -427,7 +461,7 @@ func TestPrometheusScrapesTheLoop(t *testing.T) {
 	root := repoRoot(t)
 	bin, _ := dockerBuild(t)
 
-	up := &opsUpstream{flakySeen: map[string]bool{}}
+	up := &opsUpstream{flakySeen: map[string]bool{}, flaky503: map[string]int{}}
 	upSrv := httptest.NewServer(up)
 	defer upSrv.Close()
 	sum := &opsSummarizer{}
@@ -486,7 +520,7 @@ scrape_configs:
 	firstScrape := api.scalar(`timestamp(up{job="compactproxy"})`, 0)
 
 	// The scripted loop.
-	tl := &loopTally{codes: map[int]int{}, actions: map[string]int{}}
+	tl := &loopTally{codes: map[int]int{}, msgCodes: map[int]int{}, actions: map[string]int{}}
 	c := &chatClient{t: t, base: proxyURL, hc: &http.Client{Timeout: 30 * time.Second}, tl: tl}
 	loopStart := time.Now()
 	// Warm-up: a series born at its first increment (status codes, and
@@ -496,6 +530,8 @@ scrape_configs:
 	c.agentLoop("Review package 0 for unsafe retries.", 16)
 	c.send("loop", []msg{{"role": "user", "content": "warm-up " + markBroken}}, false)
 	tl.broken++
+	c.sendMessages("loop", "warm-up "+markBroken)
+	c.sendMessages("loop", "warm-up "+markFlaky)
 	c.send("loop", []msg{{"role": "user", "content": "warm-up"}, {"role": "tool", "tool_call_id": "call_nowhere", "content": "{}"}}, false)
 	tl.pair++
 	c.send("loop", []msg{{"role": "user", "content": "warm-up " + markCut}}, true)
@@ -528,6 +564,14 @@ scrape_configs:
 		c.send("loop", []msg{{"role": "user", "content": fmt.Sprintf("stream %d %s", i, markCut)}}, true)
 		tl.cuts++
 	}
+	// Claude Code's route in trouble while chat is busy: half its
+	// requests answered 500, the other half retried after a 503.
+	for i := range 10 {
+		c.sendMessages("loop", fmt.Sprintf("claude %d %s", i, markBroken))
+		if code := c.sendMessages("loop", fmt.Sprintf("claude %d %s", i, markFlaky)); code != 200 {
+			t.Fatalf("flaky Messages request %d: status %d", i, code)
+		}
+	}
 	for i := range 2 {
 		c.send("loop", []msg{
 			{"role": "user", "content": fmt.Sprintf("orphan %d", i)},
@@ -549,8 +593,8 @@ scrape_configs:
 	for _, n := range tl.codes {
 		chats += n
 	}
-	t.Logf("loop: %d chat requests in %v; codes %v; actions %v; stream read errors %d; summarizer %d ok / %d failed",
-		chats, time.Since(loopStart).Round(time.Millisecond), tl.codes, tl.actions, tl.streamErrors, sum.success, sum.failure)
+	t.Logf("loop: %d chat requests in %v; codes %v (Messages %v); actions %v; stream read errors %d; summarizer %d ok / %d failed",
+		chats, time.Since(loopStart).Round(time.Millisecond), tl.codes, tl.msgCodes, tl.actions, tl.streamErrors, sum.success, sum.failure)
 
 	// Wait until Prometheus has scraped the final counts, then evaluate
 	// everything at that scrape's timestamp T over a window reaching back
@@ -606,7 +650,7 @@ scrape_configs:
 		t.Errorf("forwarded %v ≥ context %v tokens: compaction saved nothing", tl.fwdSum, tl.contextSum)
 	}
 	up.mu.Lock()
-	prompt, cached, flaky503 := up.prompt, up.cached, up.flaky503
+	prompt, cached, flaky503, msgFlaky503 := up.prompt, up.cached, up.flaky503["chat"], up.flaky503["messages"]
 	up.mu.Unlock()
 	usage := raw(`compactproxy_usage_input_tokens_total`, "kind")
 	if usage["cache_read"] != float64(cached) || usage["uncached"] != float64(prompt-cached) || usage["cache_write"] != 0 {
@@ -614,6 +658,15 @@ scrape_configs:
 	}
 	if v := raw(`compactproxy_upstream_retries_total{op="chat",reason="status_5xx"}`)[""]; v != float64(flaky503) {
 		t.Errorf("upstream_retries_total{chat,status_5xx} = %v, the upstream answered 503 %d times", v, flaky503)
+	}
+	if v := raw(`compactproxy_upstream_retries_total{op="messages",reason="status_5xx"}`)[""]; v != float64(msgFlaky503) || msgFlaky503 == 0 {
+		t.Errorf("upstream_retries_total{messages,status_5xx} = %v, the upstream answered Messages 503 %d times", v, msgFlaky503)
+	}
+	msgCodes := raw(`compactproxy_http_requests_total{route="messages"}`, "code")
+	for code, n := range tl.msgCodes {
+		if msgCodes[strconv.Itoa(code)] != float64(n) {
+			t.Errorf("http_requests_total{messages,%d} = %v in Prometheus, the clients saw %d", code, msgCodes[strconv.Itoa(code)], n)
+		}
 	}
 	if v := raw(`sum(compactproxy_pairing_violations_total)`)[""]; v != float64(tl.pair) {
 		t.Errorf("pairing_violations_total = %v, the loop sent %d broken histories", v, tl.pair)
@@ -767,8 +820,18 @@ scrape_configs:
 	json.NewDecoder(resp.Body).Decode(&alerts)
 	resp.Body.Close()
 	active := map[string]string{}
+	byRoute := map[string]string{} // alertname/route -> state
 	for _, a := range alerts.Data.Alerts {
 		active[a.Labels["alertname"]] = a.State
+		if r := a.Labels["route"]; r != "" {
+			byRoute[a.Labels["alertname"]+"/"+r] = a.State
+		}
+	}
+	// The Messages route's own trouble pages, though chat traffic is larger.
+	for _, name := range []string{"CompactproxyChat5xx/messages", "CompactproxyUpstreamRetriesHigh/messages"} {
+		if byRoute[name] == "" {
+			t.Errorf("alert %s is not pending or firing after the Messages route's 5xx and retries (active: %v)", name, byRoute)
+		}
 	}
 	for name := range expectFiring {
 		if active[name] == "" {

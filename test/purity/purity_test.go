@@ -1,6 +1,7 @@
-// Package purity keeps the pure core pure: internal/chat, pairing, anchor
-// and compaction import the standard library and each other only (CRAFT
-// habit 1), so they stay testable with plain tables and fuzzing.
+// Package purity keeps the pure core pure: internal/chat, pairing, anchor,
+// compaction, seal and the wire rules import the standard library and
+// each other only (CRAFT habits 1 and 31), so they stay testable with plain
+// tables and fuzzing.
 package purity
 
 import (
@@ -15,11 +16,11 @@ import (
 
 const module = "github.com/compactproxy/compactproxy/"
 
-var pure = []string{"internal/chat", "internal/pairing", "internal/anchor", "internal/compaction"}
+var pure = []string{"internal/chat", "internal/pairing", "internal/anchor", "internal/compaction", "internal/seal", "internal/wire"}
 
 // noContext are the pure packages that decide without a context: a
 // decision takes its clock and its answers as data, and never waits.
-var noContext = map[string]bool{"internal/pairing": true, "internal/anchor": true, "internal/compaction": true}
+var noContext = map[string]bool{"internal/pairing": true, "internal/anchor": true, "internal/compaction": true, "internal/seal": true, "internal/wire": true}
 
 func TestPureCoreImportsOnlyStdAndSiblings(t *testing.T) {
 	allowed := map[string]bool{}

@@ -68,7 +68,20 @@ A='CompactproxyUpstreamRetriesHigh'
 case(A+': a fifth of chat requests retried on 5xx', [
     s('compactproxy_upstream_retries_total', {'instance': 'a', 'op': 'chat', 'reason': 'status_5xx'}, '0+2x40'),
     s('compactproxy_http_requests_total', {'instance': 'a', 'route': 'chat', 'code': '200'}, '0+10x40'),
-], [silent(A, '8m'), fire(A, '30m', job, 'compactproxy: 20% of chat requests needed an upstream retry')])
+], [silent(A, '8m'), fire(A, '30m', dict(job, route='chat'), 'compactproxy: 20% of chat requests needed an upstream retry')])
+# Claude Code and Codex: their retries count under op=messages/responses and
+# are divided by their own route's requests, so a busy healthy chat route
+# does not dilute them.
+case(A+': Messages retried on 5xx while chat is healthy and busier', [
+    s('compactproxy_upstream_retries_total', {'instance': 'a', 'op': 'messages', 'reason': 'status_5xx'}, '0+3x40'),
+    s('compactproxy_http_requests_total', {'instance': 'a', 'route': 'messages', 'code': '200'}, '0+10x40'),
+    s('compactproxy_upstream_retries_total', {'instance': 'a', 'op': 'chat', 'reason': 'status_5xx'}, '0x40'),
+    s('compactproxy_http_requests_total', {'instance': 'a', 'route': 'chat', 'code': '200'}, '0+100x40'),
+], [silent(A, '8m'), fire(A, '30m', dict(job, route='messages'), 'compactproxy: 30% of messages requests needed an upstream retry')])
+case(A+': Responses retried on 429', [
+    s('compactproxy_upstream_retries_total', {'instance': 'a', 'op': 'responses', 'reason': 'status_429'}, '0+2x40'),
+    s('compactproxy_http_requests_total', {'instance': 'b', 'route': 'responses', 'code': '200'}, '0+10x40'),
+], [fire(A, '30m', dict(job, route='responses'), 'compactproxy: 20% of responses requests needed an upstream retry')])
 case(A+': summarize retries, overflow recoveries and a few 5xx retries', [
     s('compactproxy_upstream_retries_total', {'instance': 'a', 'op': 'summarize', 'reason': 'status_5xx'}, '0+50x40'),
     s('compactproxy_upstream_retries_total', {'instance': 'a', 'op': 'chat', 'reason': 'context_overflow'}, '0+50x40'),
@@ -81,6 +94,16 @@ case(A+': a tenth of chat requests are 502', [
     s('compactproxy_http_requests_total', {'instance': 'a', 'route': 'chat', 'code': '502'}, '0+1x40'),
     s('compactproxy_http_requests_total', {'instance': 'a', 'route': 'chat', 'code': '200'}, '0+9x40'),
 ], [silent(A, '3m'), fire(A, '20m', dict(job, route='chat'), 'compactproxy: 10% of chat requests end in 5xx')])
+case(A+': a Messages 5xx storm while chat is healthy and busier', [
+    s('compactproxy_http_requests_total', {'instance': 'a', 'route': 'messages', 'code': '502'}, '0+5x40'),
+    s('compactproxy_http_requests_total', {'instance': 'a', 'route': 'messages', 'code': '200'}, '0+5x40'),
+    s('compactproxy_http_requests_total', {'instance': 'a', 'route': 'chat', 'code': '200'}, '0+200x40'),
+], [silent(A, '3m'), fire(A, '20m', dict(job, route='messages'), 'compactproxy: 50% of messages requests end in 5xx')])
+case(A+': Responses answered 503 on two replicas', [
+    s('compactproxy_http_requests_total', {'instance': 'a', 'route': 'responses', 'code': '503'}, '0+1x40'),
+    s('compactproxy_http_requests_total', {'instance': 'b', 'route': 'responses', 'code': '503'}, '0+1x40'),
+    s('compactproxy_http_requests_total', {'instance': 'b', 'route': 'responses', 'code': '200'}, '0+8x40'),
+], [fire(A, '20m', dict(job, route='responses'), 'compactproxy: 20% of responses requests end in 5xx')])
 case(A+': 5xx on passthrough only, chat at 1%', [
     s('compactproxy_http_requests_total', {'instance': 'a', 'route': 'passthrough', 'code': '502'}, '0+50x40'),
     s('compactproxy_http_requests_total', {'instance': 'a', 'route': 'chat', 'code': '503'}, '0+1x40'),
@@ -116,7 +139,11 @@ A='CompactproxyStreamAborts'
 case(A+': a tenth of streams cut', [
     s('compactproxy_stream_aborts_total', {'instance': 'a'}, '0+1x40'),
     s('compactproxy_http_requests_total', {'instance': 'a', 'route': 'chat', 'code': '200'}, '0+10x40'),
-], [fire(A, '30m', job, 'compactproxy: 10% of chat requests had their upstream stream cut')])
+], [fire(A, '30m', job, 'compactproxy: 10% of chat, Responses and Messages requests had their upstream stream cut')])
+case(A+': a tenth of Messages requests cut', [
+    s('compactproxy_stream_aborts_total', {'instance': 'a'}, '0+1x40'),
+    s('compactproxy_http_requests_total', {'instance': 'a', 'route': 'messages', 'code': '200'}, '0+10x40'),
+], [fire(A, '30m', job, 'compactproxy: 10% of chat, Responses and Messages requests had their upstream stream cut')])
 case(A+': one in a hundred', [
     s('compactproxy_stream_aborts_total', {'instance': 'a'}, '0+1x40'),
     s('compactproxy_http_requests_total', {'instance': 'a', 'route': 'chat', 'code': '200'}, '0+100x40'),

@@ -17,10 +17,13 @@ import (
 
 // Redis is a running redis-server.
 type Redis struct {
-	Addr string
-	cmd  *exec.Cmd
-	port int
-	t    testing.TB
+	Addr  string
+	cmd   *exec.Cmd
+	port  int
+	t     testing.TB
+	conf  string   // a config file, first on the command line ("": none)
+	dir   string   // working directory (RDB files, cluster and sentinel state)
+	extra []string // further arguments
 }
 
 // StartRedis starts redis-server on a free 127.0.0.1 port, or skips the
@@ -28,13 +31,26 @@ type Redis struct {
 // (scripts/redis-deps.sh installs it; `make test` runs that first).
 func StartRedis(t testing.TB) *Redis {
 	t.Helper()
+	needRedis(t)
+	return startRedis(t, "")
+}
+
+func needRedis(t testing.TB) {
+	t.Helper()
 	if _, err := exec.LookPath("redis-server"); err != nil {
 		if os.Getenv("CI") != "" {
 			t.Fatal("redis-server is not on PATH (scripts/redis-deps.sh installs it; CI must not skip)")
 		}
 		t.Skip("redis-server is not on PATH: run scripts/redis-deps.sh (make test does) to run the redis tests")
 	}
-	r := &Redis{t: t, port: freePort(t)}
+}
+
+// startRedis starts a server with its config file (sentinels need one
+// they can write) and extra arguments.
+func startRedis(t testing.TB, conf string, extra ...string) *Redis {
+	t.Helper()
+	// Its own directory: a replica writes the master's RDB there.
+	r := &Redis{t: t, port: freePort(t), conf: conf, dir: t.TempDir(), extra: extra}
 	r.Start()
 	t.Cleanup(r.Stop)
 	return r
@@ -47,9 +63,14 @@ func (r *Redis) URL() string { return "redis://" + r.Addr + "/0" }
 func (r *Redis) Start() {
 	r.t.Helper()
 	r.Addr = "127.0.0.1:" + strconv.Itoa(r.port)
-	r.cmd = exec.Command("redis-server", "--port", strconv.Itoa(r.port), "--bind", "127.0.0.1",
+	var args []string
+	if r.conf != "" {
+		args = append(args, r.conf)
+	}
+	args = append(args, "--port", strconv.Itoa(r.port), "--bind", "127.0.0.1", "--dir", r.dir,
 		"--save", "", "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning",
 		"--enable-debug-command", "local") // DEBUG SLEEP: a slow Redis
+	r.cmd = exec.Command("redis-server", append(args, r.extra...)...)
 	if err := r.cmd.Start(); err != nil {
 		r.t.Fatalf("redis-server: %v", err)
 	}

@@ -1,11 +1,14 @@
-package proxy
+package upstream
 
 import (
 	"context"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"testing"
 	"time"
+
+	"github.com/compactproxy/compactproxy/internal/config"
 )
 
 // A learned n_ctx lowers the window only as evidence allows: never below a
@@ -32,15 +35,15 @@ func TestLearnedWindowBounds(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			now := time.Unix(1_000_000, 0)
-			w := newWindows(nil, tc.configured)
+			w := NewWindows(nil, tc.configured)
 			w.now = func() time.Time { return now }
-			w.accept(windowScope{model: "m"}, tc.accepted, ttl)
-			w.learn(windowScope{model: "m"}, tc.learn, ttl)
+			w.Accept(Scope{Model: "m"}, tc.accepted, ttl)
+			w.Learn(Scope{Model: "m"}, tc.learn, ttl)
 			now = now.Add(tc.after)
-			if got := w.get("m"); got != tc.want {
+			if got := w.GetFor(Scope{Model: "m"}); got != tc.want {
 				t.Errorf("window %d, want %d", got, tc.want)
 			}
-			if got := w.get("other"); got != tc.configured {
+			if got := w.GetFor(Scope{Model: "other"}); got != tc.configured {
 				t.Errorf("another model's window %d, want %d", got, tc.configured)
 			}
 		})
@@ -49,10 +52,10 @@ func TestLearnedWindowBounds(t *testing.T) {
 
 // A prompt accepted above a learned n_ctx disproves it.
 func TestAcceptedPromptDropsLearnedWindow(t *testing.T) {
-	w := newWindows(nil, 8000)
-	w.learn(windowScope{model: "m"}, 3000, time.Minute)
-	w.accept(windowScope{model: "m"}, 3500, time.Minute)
-	if got := w.get("m"); got != 8000 {
+	w := NewWindows(nil, 8000)
+	w.Learn(Scope{Model: "m"}, 3000, time.Minute)
+	w.Accept(Scope{Model: "m"}, 3500, time.Minute)
+	if got := w.GetFor(Scope{Model: "m"}); got != 8000 {
 		t.Errorf("window %d after the upstream accepted 3500, want 8000", got)
 	}
 }
@@ -64,27 +67,27 @@ func TestAcceptedPromptDropsLearnedWindow(t *testing.T) {
 func TestLearnedWindowScope(t *testing.T) {
 	const ttl = time.Minute
 	beta := http.Header{"Anthropic-Beta": {"interleaved-thinking-2025-05-14, context-1m-2025-08-07"}}
-	a1m := windowScope{tenant: "a", model: "claude", shape: windowShape(beta)}
-	a := windowScope{tenant: "a", model: "claude"}
-	b := windowScope{tenant: "b", model: "claude", shape: windowShape(http.Header{"Anthropic-Beta": {"fine-grained-tool-streaming-2025-05-14"}})}
-	if a1m.shape != "context-1m-2025-08-07" || b.shape != "" {
-		t.Fatalf("window shapes %q and %q, want the context beta alone and none", a1m.shape, b.shape)
+	a1m := Scope{Tenant: "a", Model: "claude", Shape: WindowShape(beta)}
+	a := Scope{Tenant: "a", Model: "claude"}
+	b := Scope{Tenant: "b", Model: "claude", Shape: WindowShape(http.Header{"Anthropic-Beta": {"fine-grained-tool-streaming-2025-05-14"}})}
+	if a1m.Shape != "context-1m-2025-08-07" || b.Shape != "" {
+		t.Fatalf("window shapes %q and %q, want the context beta alone and none", a1m.Shape, b.Shape)
 	}
-	w := newWindows(nil, 1_000_000)
-	w.accept(a1m, 600_000, ttl)
-	if !w.learn(b, 200_000, ttl) {
+	w := NewWindows(nil, 1_000_000)
+	w.Accept(a1m, 600_000, ttl)
+	if !w.Learn(b, 200_000, ttl) {
 		t.Fatal("tenant B's own overflow was refused because of tenant A's accepted prompt")
 	}
 	for _, c := range []struct {
-		sc   windowScope
+		sc   Scope
 		want int
-	}{{b, 200_000}, {a1m, 1_000_000}, {a, 1_000_000}, {windowScope{tenant: "b", model: "other"}, 1_000_000}} {
-		if got := w.getFor(c.sc); got != c.want {
+	}{{b, 200_000}, {a1m, 1_000_000}, {a, 1_000_000}, {Scope{Tenant: "b", Model: "other"}, 1_000_000}} {
+		if got := w.GetFor(c.sc); got != c.want {
 			t.Errorf("window in %+v: %d, want %d", c.sc, got, c.want)
 		}
 	}
 	// Within one scope the accepted prompt still bounds what is learned.
-	if w.learn(a1m, 200_000, ttl) || w.getFor(a1m) != 1_000_000 {
+	if w.Learn(a1m, 200_000, ttl) || w.GetFor(a1m) != 1_000_000 {
 		t.Error("a window below a prompt accepted in the same scope was learned")
 	}
 }
@@ -92,19 +95,25 @@ func TestLearnedWindowScope(t *testing.T) {
 // TestDiscoverModelsList: the window is read from an OpenAI-style /models
 // list in the fields servers and gateways use, per model.
 func TestDiscoverModelsList(t *testing.T) {
-	up := newFakeUpstream(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path != "/v1/models" {
 			w.WriteHeader(404)
 			return
 		}
 		io.WriteString(w, `{"object":"list","data":[{"id":"vllm","max_model_len":32768},{"id":"router","context_length":40000},{"id":"groq","context_window":131072},{"id":"mistral","max_context_length":65536},{"id":"none"}]}`)
-	})
-	p := newTestProxy(t, testConfig(up.URL))
-	if !p.srv.discover(context.Background()) {
+	}))
+	defer up.Close()
+	cfg := config.Default()
+	cfg.Upstream.URL = up.URL + "/v1"
+	c, err := New(cfg.Upstream, cfg.Retry, cfg.Models, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !c.Discover(context.Background()) {
 		t.Fatal("nothing discovered")
 	}
 	for model, want := range map[string]int{"vllm": 32768, "router": 40000, "groq": 131072, "mistral": 65536, "none": 0} {
-		if got := p.srv.windows.get(model); got != want {
+		if got := c.Windows.GetFor(Scope{Model: model}); got != want {
 			t.Errorf("%s: window %d, want %d", model, got, want)
 		}
 	}

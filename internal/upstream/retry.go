@@ -1,4 +1,4 @@
-package proxy
+package upstream
 
 import (
 	"context"
@@ -6,70 +6,15 @@ import (
 	"io"
 	"math"
 	"math/rand/v2"
-	"net"
 	"net/http"
-	"net/url"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/compactproxy/compactproxy/internal/config"
-	"github.com/compactproxy/compactproxy/internal/metrics"
 )
 
-// DialError marks an error that happened while connecting to the upstream:
-// the request never reached it, so it is always safe to retry. Errors are
-// classified by wrapper type, never by string matching (Caddy's habit).
-type DialError struct{ error }
-
-func (e DialError) Unwrap() error { return e.error }
-
-// newTransport clones http.DefaultTransport (proxy settings, HTTP/2, idle
-// pools) and wraps dial errors in DialError. No ResponseHeaderTimeout: a long
-// prefill on a local model can take minutes before the first byte.
-func newTransport() *http.Transport {
-	t := http.DefaultTransport.(*http.Transport).Clone()
-	d := &net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}
-	t.DialContext = func(ctx context.Context, network, addr string) (net.Conn, error) {
-		c, err := d.DialContext(ctx, network, addr)
-		if err != nil {
-			return nil, DialError{err}
-		}
-		return c, nil
-	}
-	t.MaxIdleConns = 512
-	t.MaxIdleConnsPerHost = 256
-	t.IdleConnTimeout = 90 * time.Second
-	return t
-}
-
-// upstreamURLs holds the base URL (with its version path) and the root
-// (the base with a trailing /v1 removed, for llama.cpp's root endpoints).
-type upstreamURLs struct {
-	base *url.URL
-	root *url.URL
-}
-
-func parseUpstream(raw string) (upstreamURLs, error) {
-	u, err := url.Parse(strings.TrimRight(raw, "/"))
-	if err != nil {
-		return upstreamURLs{}, err
-	}
-	root := *u
-	root.Path = strings.TrimSuffix(u.Path, "/v1")
-	root.RawPath = ""
-	return upstreamURLs{base: u, root: &root}, nil
-}
-
-// join appends a path to a base URL.
-func join(base *url.URL, p string) *url.URL {
-	u := *base
-	u.Path = strings.TrimRight(base.Path, "/") + "/" + strings.TrimLeft(p, "/")
-	u.RawPath = ""
-	return &u
-}
-
-// retrier sends upstream requests under DESIGN's retry policy: connect
+// Retrier sends upstream requests under DESIGN's retry policy: connect
 // errors, 429, 502, 503 (llama.cpp "Loading model") and 504 are retried with
 // jittered exponential backoff, honouring Retry-After and retry-after-ms, at
 // most Attempts tries and MaxElapsed overall. Timeouts are not retried (a
@@ -78,11 +23,14 @@ func join(base *url.URL, p string) *url.URL {
 // Requests go through the transport's RoundTrip, never an http.Client: a
 // client follows redirects (a 301 turns the POST into a GET to another
 // path) and wraps errors in *url.Error, which quotes the URL (CRAFT 14).
-type retrier struct {
-	policy  config.Retry
-	rt      http.RoundTripper
-	metrics *metrics.Metrics
-	sleep   func(ctx context.Context, d time.Duration) error // nil = real sleep
+type Retrier struct {
+	Policy config.Retry
+	RT     http.RoundTripper
+	// OnRetry, when set, counts a retry of op for reason ("connect",
+	// "status_429", "status_5xx").
+	OnRetry func(op, reason string)
+	// Sleep waits d or until ctx ends; nil: a real timer.
+	Sleep func(ctx context.Context, d time.Duration) error
 }
 
 // retryReason tells whether a result may be retried and why ("" = no).
@@ -135,13 +83,13 @@ func fromUnits(v string, unit float64) time.Duration {
 	return time.Duration(f * unit)
 }
 
-func (r *retrier) backoff(n int) time.Duration {
-	d := r.policy.Backoff
-	for i := 1; i < n && d < r.policy.MaxBackoff; i++ {
+func (r *Retrier) backoff(n int) time.Duration {
+	d := r.Policy.Backoff
+	for i := 1; i < n && d < r.Policy.MaxBackoff; i++ {
 		d *= 2
 	}
-	if r.policy.MaxBackoff > 0 && d > r.policy.MaxBackoff {
-		d = r.policy.MaxBackoff
+	if r.Policy.MaxBackoff > 0 && d > r.Policy.MaxBackoff {
+		d = r.Policy.MaxBackoff
 	}
 	if d <= 0 {
 		return 0
@@ -150,9 +98,9 @@ func (r *retrier) backoff(n int) time.Duration {
 	return d/2 + rand.N(d/2+1)
 }
 
-func (r *retrier) wait(ctx context.Context, d time.Duration) error {
-	if r.sleep != nil {
-		return r.sleep(ctx, d)
+func (r *Retrier) wait(ctx context.Context, d time.Duration) error {
+	if r.Sleep != nil {
+		return r.Sleep(ctx, d)
 	}
 	t := time.NewTimer(d)
 	defer t.Stop()
@@ -164,17 +112,18 @@ func (r *retrier) wait(ctx context.Context, d time.Duration) error {
 	}
 }
 
-// do sends the request mk builds (called once per try, so bodies are fresh)
-// and returns the final response or error. The caller closes the body.
-func (r *retrier) do(ctx context.Context, op string, mk func() (*http.Request, error)) (*http.Response, error) {
+// Do sends the request mk builds (called once per try, so bodies are
+// fresh) and returns the final response or error. The caller closes the
+// body.
+func (r *Retrier) Do(ctx context.Context, op string, mk func() (*http.Request, error)) (*http.Response, error) {
 	start := time.Now()
-	attempts := max(r.policy.Attempts, 1)
+	attempts := max(r.Policy.Attempts, 1)
 	for n := 1; ; n++ {
 		req, err := mk()
 		if err != nil {
 			return nil, err
 		}
-		resp, err := r.rt.RoundTrip(req.WithContext(ctx))
+		resp, err := r.RT.RoundTrip(req.WithContext(ctx))
 		reason := retryReason(resp, err)
 		if reason == "" || n >= attempts || ctx.Err() != nil {
 			return resp, err
@@ -186,32 +135,37 @@ func (r *retrier) do(ctx context.Context, op string, mk func() (*http.Request, e
 			}
 		}
 		// Compared as a difference: time.Since(start)+neverRetry overflows.
-		if delay == neverRetry || (r.policy.MaxElapsed > 0 && delay > r.policy.MaxElapsed-time.Since(start)) {
+		if delay == neverRetry || (r.Policy.MaxElapsed > 0 && delay > r.Policy.MaxElapsed-time.Since(start)) {
 			// A Retry-After beyond the budget: the client gets the answer.
 			return resp, err
 		}
 		if resp != nil {
-			_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<20))
-			resp.Body.Close()
+			drain(resp.Body, 1<<20)
 		}
-		r.metrics.UpstreamRetries.WithLabelValues(op, reason).Inc()
+		if r.OnRetry != nil {
+			r.OnRetry(op, reason)
+		}
 		if err := r.wait(ctx, delay); err != nil {
 			return nil, err
 		}
 	}
 }
 
-// retryTransport is an http.RoundTripper applying the retry policy, for
-// clients (the summarizer) that build plain http.Requests. The request body
-// must be replayable (GetBody), as http.NewRequest makes it for bytes.
+// Transport is an http.RoundTripper applying the retry policy under op,
+// for clients (the summarizer) that build plain http.Requests. The request
+// body must be replayable (GetBody), as http.NewRequest makes it for bytes.
+func (r *Retrier) Transport(op string) http.RoundTripper { return retryTransport{r: r, op: op} }
+
 type retryTransport struct {
-	r  *retrier
+	r  *Retrier
 	op string
 }
 
+// RoundTrip sends req under the policy, replaying its body (GetBody) on
+// each retry.
 func (t retryTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	first := true
-	return t.r.do(req.Context(), t.op, func() (*http.Request, error) {
+	return t.r.Do(req.Context(), t.op, func() (*http.Request, error) {
 		if first {
 			first = false
 			return req, nil
@@ -226,4 +180,52 @@ func (t retryTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 		}
 		return c, nil
 	})
+}
+
+// MaxErrorBody bounds how much of an upstream error answer is read to
+// classify it (stream_options rejection, context overflow).
+const MaxErrorBody = 1 << 20
+
+// Attempt is one send of a request upstream, built whole by the caller for
+// each send that differs (the first, the stream_options resend, overflow
+// recovery's resend): what changes between sends is in this value, never
+// in state the sender keeps.
+type Attempt struct {
+	// Op labels the retries: the route served (chat, responses,
+	// messages) or summarize.
+	Op     string
+	URL    string
+	Header http.Header
+	// Body returns a fresh reader of the body for each try.
+	Body   func() io.ReadCloser
+	Length int64
+}
+
+// Send sends a POST under the retry policy. A status ≥ 400 comes back as
+// *Answer (its body read up to MaxErrorBody); no usable answer as *Error
+// (unless ctx ended: its error then). A successful response's body is the
+// caller's to read and close.
+func (r *Retrier) Send(ctx context.Context, a Attempt) (*http.Response, error) {
+	resp, err := r.Do(ctx, a.Op, func() (*http.Request, error) {
+		req, err := http.NewRequest(http.MethodPost, a.URL, a.Body())
+		if err != nil {
+			return nil, err
+		}
+		req.Header = a.Header.Clone()
+		req.Header.Set("Content-Type", "application/json")
+		req.ContentLength = a.Length
+		return req, nil
+	})
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
+		return nil, &Error{Failure: Classify(err), Err: err}
+	}
+	if resp.StatusCode >= 400 {
+		body, _ := io.ReadAll(io.LimitReader(resp.Body, MaxErrorBody))
+		resp.Body.Close()
+		return nil, &Answer{Status: resp.StatusCode, Header: resp.Header, Body: body}
+	}
+	return resp, nil
 }

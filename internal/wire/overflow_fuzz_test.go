@@ -1,4 +1,4 @@
-package proxy
+package wire
 
 import (
 	"bytes"
@@ -40,9 +40,9 @@ func FuzzOverflowRecognizer(f *testing.F) {
 	dialects := []string{"auto", "openai", "llamacpp", "vllm", "deepseek", "anthropic"}
 	f.Fuzz(func(t *testing.T, status int, d uint8, body []byte) {
 		dialect := dialects[int(d)%len(dialects)]
-		info, ok := recognizeOverflow(dialect, status, body)
+		info, ok := RecognizeOverflow(dialect, status, body)
 		if !ok {
-			if info != (overflowInfo{}) {
+			if info != (Overflow{}) {
 				t.Fatalf("not an overflow, yet sizes %+v", info)
 			}
 			return
@@ -50,20 +50,20 @@ func FuzzOverflowRecognizer(f *testing.F) {
 		if status != 400 && status != 413 && status != 422 {
 			t.Fatalf("status %d taken as an overflow", status)
 		}
-		if info.prompt < 0 || info.nCtx < 0 {
+		if info.Prompt < 0 || info.NCtx < 0 {
 			t.Fatalf("negative sizes %+v", info)
 		}
-		if a, aok := recognizeOverflow("auto", status, body); !aok {
+		if a, aok := RecognizeOverflow("auto", status, body); !aok {
 			t.Fatalf("%s recognizes an overflow that auto does not (%+v)", dialect, a)
 		}
-		if info.nCtx > 0 {
+		if info.NCtx > 0 {
 			// A window is learned only with the input that exceeded it,
 			// both stated by the upstream in its own dialect's words.
-			if info.prompt <= 0 {
-				t.Fatalf("window %d learned without the prompt that exceeded it", info.nCtx)
+			if info.Prompt <= 0 {
+				t.Fatalf("window %d learned without the prompt that exceeded it", info.NCtx)
 			}
-			if !bytes.Contains(body, []byte(strconv.Itoa(info.nCtx))) {
-				t.Fatalf("window %d is not in the body", info.nCtx)
+			if !bytes.Contains(body, []byte(strconv.Itoa(info.NCtx))) {
+				t.Fatalf("window %d is not in the body", info.NCtx)
 			}
 			marker := map[string]string{"llamacpp": "exceed_context_size_error", "anthropic": "prompt is too long",
 				"openai": "maximum context length", "vllm": "maximum context length", "deepseek": "maximum context length"}[dialect]
@@ -82,7 +82,7 @@ func FuzzOverflowRecognizer(f *testing.F) {
 		}
 		for _, quote := range []string{"Invalid value for 'user': '" + msg + "'", "[{'type': 'string_too_long', 'input': '" + msg + "'}]"} {
 			q, _ := json.Marshal(map[string]any{"error": map[string]any{"message": quote, "type": "invalid_request_error", "param": "user", "code": "invalid_value"}})
-			if qi, qok := recognizeOverflow(dialect, status, q); qok {
+			if qi, qok := RecognizeOverflow(dialect, status, q); qok {
 				t.Fatalf("a validation error quoting %q was taken as an overflow: %+v", msg, qi)
 			}
 		}

@@ -1,4 +1,4 @@
-package proxy
+package upstream
 
 import (
 	"sync"
@@ -8,14 +8,14 @@ import (
 // maxStreamOptionsEntries bounds the memo: model names come from clients.
 const maxStreamOptionsEntries = 4096
 
-// streamOptionsMemo remembers, per model identity, that the upstream does
+// StreamOptions remembers, per model identity, that the upstream does
 // not accept stream_options (upstream.stream_usage auto). CRAFT habit 18: a
 // switch learned from one request is scoped to the model identity, set only
 // on proof (the resend without the proxy's stream_options succeeded, so the
 // 400 was not the client's own bad field) and expires, so an upgraded
 // upstream gets usage injection back. It was one process-wide flag, flipped
 // by any 400 mentioning stream_options, forever.
-type streamOptionsMemo struct {
+type StreamOptions struct {
 	ttl time.Duration
 	now func() time.Time
 
@@ -23,12 +23,13 @@ type streamOptionsMemo struct {
 	until map[string]time.Time // identity -> no injection before this time
 }
 
-func newStreamOptionsMemo(ttl time.Duration) *streamOptionsMemo {
-	return &streamOptionsMemo{ttl: ttl, now: time.Now, until: map[string]time.Time{}}
+// NewStreamOptions returns an empty memo whose entries last ttl.
+func NewStreamOptions(ttl time.Duration) *StreamOptions {
+	return &StreamOptions{ttl: ttl, now: time.Now, until: map[string]time.Time{}}
 }
 
-// unsupported reports whether identity is known not to take stream_options.
-func (m *streamOptionsMemo) unsupported(identity string) bool {
+// Unsupported reports whether identity is known not to take stream_options.
+func (m *StreamOptions) Unsupported(identity string) bool {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	t, ok := m.until[identity]
@@ -39,9 +40,9 @@ func (m *streamOptionsMemo) unsupported(identity string) bool {
 	return ok
 }
 
-// learn records that identity rejected stream_options and accepted the
+// Learn records that identity rejected stream_options and accepted the
 // same request without them.
-func (m *streamOptionsMemo) learn(identity string) {
+func (m *StreamOptions) Learn(identity string) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	now := m.now()

@@ -1,18 +1,16 @@
-package proxy
+package wire
 
 import (
 	"encoding/json"
 	"regexp"
 	"strconv"
 	"strings"
-
-	"go.uber.org/zap"
 )
 
-// overflowInfo is what an upstream's context-overflow answer told us.
-type overflowInfo struct {
-	prompt int // tokens the provider counted for the request's input (0 = not said)
-	nCtx   int // the model's window (0 = not said, or not consistent)
+// Overflow is what an upstream's context-overflow answer told us.
+type Overflow struct {
+	Prompt int // tokens the provider counted for the request's input (0 = not said)
+	NCtx   int // the model's window (0 = not said, or not consistent)
 }
 
 // The overflow wordings compactproxy recognizes. Each is anchored at the
@@ -56,13 +54,8 @@ type overflowEnvelope struct {
 	Message string `json:"message"` // vLLM's older flat shape
 }
 
-// parseOverflow is recognizeOverflow for upstream.dialect auto.
-func parseOverflow(status int, body []byte) (overflowInfo, bool) {
-	return recognizeOverflow("auto", status, body)
-}
-
-// recognizeOverflow tells whether an upstream error answer is a context
-// overflow of the upstream's dialect (auto: any of them), and what sizes it
+// RecognizeOverflow tells whether an upstream error answer is a context
+// overflow of the upstream's dialect (upstream.dialect; auto or "": any of them), and what sizes it
 // proves. It is an overflow only when the upstream classified it so (its
 // type or code) or said so in its own documented sentence, at the start of
 // its message; a size is kept only when it is consistent (the request is
@@ -78,13 +71,13 @@ func parseOverflow(status int, body []byte) (overflowInfo, bool) {
 //     "in the completion" (so the prompt may be under a window that the
 //     prompt and the completion together exceed);
 //   - anthropic: "prompt is too long: M tokens > N maximum" with M > N.
-func recognizeOverflow(dialect string, status int, body []byte) (overflowInfo, bool) {
+func RecognizeOverflow(dialect string, status int, body []byte) (Overflow, bool) {
 	if status != 400 && status != 413 && status != 422 {
-		return overflowInfo{}, false
+		return Overflow{}, false
 	}
 	var env overflowEnvelope
 	if json.Unmarshal(body, &env) != nil {
-		return overflowInfo{}, false
+		return Overflow{}, false
 	}
 	e := env.Error
 	msg := e.Message
@@ -100,40 +93,40 @@ func recognizeOverflow(dialect string, status int, body []byte) (overflowInfo, b
 
 	if is("llamacpp") && e.Type == "exceed_context_size_error" {
 		if e.NCtx > 0 && e.NPromptTokens >= e.NCtx {
-			return overflowInfo{prompt: e.NPromptTokens, nCtx: e.NCtx}, true
+			return Overflow{Prompt: e.NPromptTokens, NCtx: e.NCtx}, true
 		}
 		if m := reLlama.FindStringSubmatch(msg); m != nil {
 			if p, n := atoi(m[1]), atoi(m[2]); n > 0 && p >= n {
-				return overflowInfo{prompt: p, nCtx: n}, true
+				return Overflow{Prompt: p, NCtx: n}, true
 			}
 		}
-		return overflowInfo{}, true // the upstream's own class, no sizes to trust
+		return Overflow{}, true // the upstream's own class, no sizes to trust
 	}
 	if openaiLike {
 		if info, ok := openAIOverflow(msg); ok {
 			return info, true
 		}
 		if code == "context_length_exceeded" {
-			return overflowInfo{}, true
+			return Overflow{}, true
 		}
 	}
 	if is("anthropic") {
 		if m := reAnthropic.FindStringSubmatch(msg); m != nil && (e.Type == "invalid_request_error" || e.Type == "") {
 			if p, n := atoi(m[1]), atoi(m[2]); n > 0 && p > n {
-				return overflowInfo{prompt: p, nCtx: n}, true
+				return Overflow{Prompt: p, NCtx: n}, true
 			}
 		}
 	}
-	return overflowInfo{}, false
+	return Overflow{}, false
 }
 
 // openAIOverflow reads "This model's maximum context length is N tokens.
 // However, …" (OpenAI, DeepSeek, vLLM). ok only when the sizes say the
 // request is over the window.
-func openAIOverflow(msg string) (overflowInfo, bool) {
+func openAIOverflow(msg string) (Overflow, bool) {
 	m := reMaxCtx.FindStringSubmatchIndex(msg)
 	if m == nil {
-		return overflowInfo{}, false
+		return Overflow{}, false
 	}
 	n, total := atoi(msg[m[2]:m[3]]), atoi(msg[m[4]:m[5]])
 	rest := msg[m[1]:]
@@ -148,44 +141,13 @@ func openAIOverflow(msg string) (overflowInfo, bool) {
 			}
 		}
 		if sum != total {
-			return overflowInfo{}, false // a breakdown that does not add up
+			return Overflow{}, false // a breakdown that does not add up
 		}
 		input = total - completion
 	}
 	inputOnly := completion == 0
 	if n <= 0 || total < n || (total == n && !inputOnly) {
-		return overflowInfo{}, false
+		return Overflow{}, false
 	}
-	return overflowInfo{prompt: input, nCtx: n}, true
-}
-
-// learnOverflow recognizes an upstream's context-overflow answer to cr
-// (DESIGN step 5) and learns the n_ctx it reports; recoverOnce does the
-// rest.
-func (s *Server) learnOverflow(cr *chatRequest, status int, body []byte) (overflowInfo, bool) {
-	info, ok := recognizeOverflow(s.cfg.Upstream.Dialect, status, body)
-	if !ok {
-		return info, false
-	}
-	sc := cr.windowScope()
-	if info.nCtx > 0 {
-		old := s.windows.getFor(sc)
-		if s.windows.learn(sc, info.nCtx, s.cfg.Upstream.DiscoveryInterval) && (old == 0 || info.nCtx < old) {
-			// Model identity and sizes only: the tenant is a keyed hash,
-			// and never logged.
-			s.log.Info("context window lowered by an overflow answer", zap.String("request_id", cr.reqID),
-				zap.String("upstream", s.upstreamName), zap.String("model", cr.req.Model),
-				zap.Int("old_window", old), zap.Int("new_window", info.nCtx), zap.Duration("for", s.cfg.Upstream.DiscoveryInterval))
-		}
-	}
-	if info.prompt == 0 {
-		// An overflow without sizes (OpenAI's "Your input exceeds the
-		// context window of this model") still proves the forwarded input
-		// is over the window: measured as one token more, so recovery
-		// compacts below it instead of rebuilding the same view.
-		if w := s.windows.getFor(sc); w > 0 {
-			info.prompt = w + 1
-		}
-	}
-	return info, true
+	return Overflow{Prompt: input, NCtx: n}, true
 }
