@@ -101,6 +101,10 @@ type mockModel struct {
 	// has seen (-1 before any): where an agent that compacted its own
 	// history goes on.
 	lastResults int
+	// lastAnswered is the newest script step the mock answered with tool
+	// calls (-1 before any): an agent that compacts itself right after
+	// running them (opencode) sends their results only in its summary.
+	lastAnswered int
 	// edit: the script is the edit–test workload (editOps); rereads are
 	// the steps before which the mock re-read the file it was to edit.
 	edit    bool
@@ -109,7 +113,7 @@ type mockModel struct {
 
 func newMockModel(t *testing.T, window int, rate float64, dir, prompt, finalText string, pairAt int, files []projectFile) *mockModel {
 	t.Helper()
-	m := &mockModel{window: window, rate: rate, dir: dir, prompt: prompt, finalText: finalText, pairAt: pairAt, files: files, prevPrompt: map[string][]byte{}, lastResults: -1, rereads: map[int]bool{}}
+	m := &mockModel{window: window, rate: rate, dir: dir, prompt: prompt, finalText: finalText, pairAt: pairAt, files: files, prevPrompt: map[string][]byte{}, lastResults: -1, lastAnswered: -1, rereads: map[int]bool{}}
 	m.srv = httptest.NewServer(http.HandlerFunc(m.serve))
 	t.Cleanup(m.srv.Close)
 	return m
@@ -418,6 +422,15 @@ func (m *mockModel) serve(w http.ResponseWriter, r *http.Request) {
 	}
 	rec.Step, rec.Status = step, http.StatusOK
 	m.record(rec)
+	if len(calls) > 0 {
+		m.mu.Lock()
+		answered := step
+		if m.rereads[step] && calls[0].Edits == "" && steps[step][0].Edits != "" {
+			answered = step - 1 // a re-read: the edit is still to come
+		}
+		m.lastAnswered = max(m.lastAnswered, answered)
+		m.mu.Unlock()
+	}
 	if len(calls) == 0 {
 		pieces := []string{m.finalText[:len(m.finalText)/2], m.finalText[len(m.finalText)/2:]}
 		if v.Stream {
@@ -448,7 +461,7 @@ func (m *mockModel) stepOf(v *mockView, steps [][]scriptCall) (int, []string) {
 	switch last.Role {
 	case "user":
 		m.mu.Lock()
-		resume := m.lastResults + 1
+		resume := max(m.lastResults, m.lastAnswered) + 1
 		m.mu.Unlock()
 		if resume > 0 && (m.edit || m.resumable) {
 			// The agent goes on after compacting its own history (a
