@@ -283,11 +283,16 @@ type econAgent struct {
 	tight int
 	chat  *agentSpec
 	dia   *dialectAgent
+	// maxDen: a chat agent's max tokens are the window ÷ maxDen (0: its
+	// first maxCase). opencode keeps its max tokens out of its own room,
+	// so at half of 16k it would have less room than its fixed part and
+	// compact itself before every step.
+	maxDen int
 }
 
 var econAgents = []econAgent{
 	{name: "pi", tight: 16384, chat: pi},
-	{name: "opencode", tight: 16384, chat: opencode},
+	{name: "opencode", tight: 16384, chat: opencode, maxDen: 4},
 	{name: "qwen-code", tight: 32768, chat: qwen},
 	{name: "codex", tight: 40000, dia: codexAgent},
 	{name: "claude", tight: 40000, dia: claudeAgent},
@@ -463,6 +468,34 @@ func TestAgentEconomy(t *testing.T) {
 	ensureAgentDeps(t, root)
 	bin := buildBinary(t, root)
 	matrix := os.Getenv("AGENT_MATRIX") != "" && os.Getenv("AGENT_MATRIX") != "0"
+	report := func(rows ...econRow) {
+		path := os.Getenv("AGENT_REPORT")
+		if path == "" {
+			return
+		}
+		var b strings.Builder
+		for _, r := range rows {
+			b.WriteString(r.tableLine() + "\n")
+		}
+		f, err := os.OpenFile(path, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
+		if err == nil {
+			_, err = f.WriteString(b.String())
+			if cerr := f.Close(); err == nil {
+				err = cerr
+			}
+		}
+		if err != nil {
+			t.Errorf("AGENT_REPORT: %v", err)
+		}
+	}
+	// The header now, each case's rows as it ends: an interrupted matrix
+	// still leaves what it measured.
+	if path := os.Getenv("AGENT_REPORT"); path != "" {
+		if f, err := os.OpenFile(path, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644); err == nil {
+			fmt.Fprintf(f, "\n## TestAgentEconomy %s\n\ncost units: uncached input 1, cache read 0.1, output 5 (and 8); uncached includes cache writes\n\n%s\n", time.Now().UTC().Format(time.RFC3339), econTableHeader())
+			f.Close()
+		}
+	}
 	var rows []econRow
 	for _, a := range econAgents {
 		for _, wl := range []string{"explore", "edit"} {
@@ -488,6 +521,7 @@ func TestAgentEconomy(t *testing.T) {
 					through.DirectStopped = !direct.Finished
 					t.Logf("economy:\n%s\n%s\n%s", econTableHeader(), direct.tableLine(), through.tableLine())
 					rows = append(rows, direct, through)
+					report(direct, through)
 				})
 			}
 		}
@@ -496,23 +530,11 @@ func TestAgentEconomy(t *testing.T) {
 		return
 	}
 	var b strings.Builder
-	fmt.Fprintf(&b, "\n## TestAgentEconomy %s\n\ncost units: uncached input 1, cache read 0.1, output 5 (and 8); uncached includes cache writes\n\n%s\n", time.Now().UTC().Format(time.RFC3339), econTableHeader())
+	fmt.Fprintf(&b, "\n%s\n", econTableHeader())
 	for _, r := range rows {
 		b.WriteString(r.tableLine() + "\n")
 	}
 	t.Log(b.String())
-	if path := os.Getenv("AGENT_REPORT"); path != "" {
-		f, err := os.OpenFile(path, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
-		if err == nil {
-			_, err = f.WriteString(b.String())
-			if cerr := f.Close(); err == nil {
-				err = cerr
-			}
-		}
-		if err != nil {
-			t.Errorf("AGENT_REPORT: %v", err)
-		}
-	}
 }
 
 // econRun is one run: the agent told window, straight at a mock enforcing
@@ -549,7 +571,11 @@ func econRun(t *testing.T, root, bin string, a econAgent, wl, size string, windo
 			target = proxy.URL
 		}
 		mc := a.chat.maxCases[0]
-		run, rec = a.chat.run(t, root, project, target, window, mc.tokens(window), mc.field, window)
+		maxTokens := mc.tokens(window)
+		if a.maxDen > 0 {
+			maxTokens = window / a.maxDen
+		}
+		run, rec = a.chat.run(t, root, project, target, window, maxTokens, mc.field, window)
 		reqs = econFromChat(mock.requests(), window)
 		mock.mu.Lock()
 		row.Rereads = len(mock.rereads)
