@@ -166,6 +166,14 @@ func editSteps(dir string, files []projectFile, shell, shellParam, read, readPar
 	return append(steps, nil)
 }
 
+// readDeduped: the agent's read tool answered that the file is unchanged
+// since its last read instead of its content (qwen-code's read_file does,
+// even after the file was changed through the shell): the call ran as
+// asked, the agent deduplicates reads itself.
+func readDeduped(output string) bool {
+	return strings.Contains(output, "unchanged since last read")
+}
+
 func rereadID(prefix string, step int) string { return fmt.Sprintf("%s_r%d_0", prefix, step) }
 
 // parseReread tells the step a re-read's call id was made before.
