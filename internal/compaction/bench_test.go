@@ -108,3 +108,34 @@ func BenchmarkCompactBelowTrigger(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkCompactMaskPath: the trim path's conversation with step 0 on:
+// the first request over the trigger (every call decoded, every result
+// digested, masks chosen), then the next one re-applying the masks.
+func BenchmarkCompactMaskPath(b *testing.B) {
+	msgs, chain := benchConversation(b)
+	cfg := baseConfig()
+	cfg.Dedupe, cfg.Mask = true, true
+	e := newDriver(cfg, okSummarizer(), newClock())
+	in := Input{Messages: msgs, Chain: chain, Window: 300000, Estimate: fakeEstimate}
+	first := e.Compact(context.Background(), in)
+	if first.Action != ActionMasked || first.Forwarded >= first.Target {
+		b.Fatalf("action %q forwarded %d target %d", first.Action, first.Forwarded, first.Target)
+	}
+	b.Run("decide", func(b *testing.B) {
+		b.ReportAllocs()
+		b.SetBytes(1 << 20)
+		for b.Loop() {
+			e.Compact(context.Background(), in)
+		}
+	})
+	again := in
+	again.State = first.State
+	b.Run("reapplied", func(b *testing.B) {
+		b.ReportAllocs()
+		b.SetBytes(1 << 20)
+		for b.Loop() {
+			e.Compact(context.Background(), again)
+		}
+	})
+}

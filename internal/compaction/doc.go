@@ -1,6 +1,7 @@
 // Package compaction decides, for one view of a conversation, whether and how
-// to compact it so it fits the model's window: trim, summarize with a verbatim
-// tail, reuse stored compactions, latch after failures, throttle, drop. It is
+// to compact it so it fits the model's window, climbing a ladder from cheap
+// to costly — dedupe, mask, trim, summarize with a verbatim tail, drop, last
+// resort — reusing stored compactions, latching after failures, throttling. It is
 // pure logic: standard library and the sibling pure packages only, no
 // context, no clock, nothing that calls out. Planner.Plan is the one entry
 // point (requests, overflow recovery, previews and background summaries are
@@ -32,14 +33,16 @@
 // Inside one Plan the steps run in this order, each in its own function:
 // re-apply what is stored (reapply), size the view and its thresholds
 // (decision); a background pass goes to presummarize; over the trigger,
-// extend the tail (extendTail), the progress guard (summaryWithheld),
-// step 1 trim (trimCandidates, applyTrims), step 2 summarize (sizeSummary:
+// extend the tail (extendTail), step 0 dedupe (dedupe, reductions), the
+// progress guard (summaryWithheld), step 0 mask (mask), step 1 trim (trimCandidates, applyTrims), step 2 summarize (sizeSummary:
 // the cut and its room, refoldCut; readyPending; guardHolds; gate: latch
 // and throttle; then shadow's report, the request or accept), step 4
 // excerpts, then the last resort (overBudget: tight excerpts, shrinking
 // the summary, dropTurns, excerpts of the final turn); finish checks the
-// invariant and reads the log of steps taken (steps.go) into the Output.
-// The specification of each step is a script in testdata/*.txt (trim,
+// invariant and reads the log of steps taken (steps.go) into the Output,
+// with what each step removed and whether the change resets the
+// provider's cache (accounting). The specification of each step is a
+// script in testdata/*.txt (dedupe, mask, trim,
 // summarize, refold, guard, drop, lastresort, recover, shadow, invariant,
 // and the background, latch, throttle and lineage rules), run by
 // TestScripts and rewritten from the planner's output with -update.
@@ -81,6 +84,22 @@
 //     call by the request that crosses the trigger.
 //   - trim: a long tool result forwarded as a head/tail excerpt. drop:
 //     whole turns not forwarded.
+//   - step 0 (Config.Dedupe, Config.Mask; off at zero): dedupe, a tool
+//     result that a later one repeats (its text without the tool's
+//     envelope, or an older read of a file the same tool read again)
+//     forwarded as a pointer naming the later call; mask, an old result
+//     forwarded as a placeholder naming its call and the size elided. Both
+//     are stored as Trim records (Keep 0: mask; Keep < 0: pointer).
+//   - call: the tool name and arguments a result answers, read from the
+//     assistant message's tool_calls (the Responses and Messages APIs'
+//     calls reach the planner in the same chat shape).
+//   - working set: the latest read of a file the agent re-read or edited,
+//     the latest output of a command it re-ran, the latest of identical
+//     results; with step 0 on it is never masked, deduplicated or excerpted
+//     short of the last resort.
+//   - cache reset: a decision that changes the forwarded bytes at a
+//     position the previous request already held (Output.ResetAt,
+//     Output.CacheReset): the provider re-reads from there uncached once.
 //   - guard (the progress guard): a new summary is made only once it folds
 //     max(summary_min_tokens, a quarter of the room) of history no summary
 //     covered; until then a view within the budget goes as it is.
@@ -109,7 +128,8 @@
 //
 // planner.go (the API and the order of the steps), sizing.go (budget,
 // thresholds, the verbatim tail, estimates), plan.go (a set of
-// compactions and the view it renders), trim.go, summary.go (the
+// compactions and the view it renders), reduce.go (step 0: calls,
+// duplicates, the working set, dedupe and mask), trim.go, summary.go (the
 // summarize step, the background pass, the ask), cut.go (where a summary
 // cuts and its room), gates.go (guard, latch, throttle), drop.go,
 // finish.go (the invariant check and the output), steps.go (the log of

@@ -12,10 +12,16 @@ func (r *run) finish(out Output, p plan, cur int) Output {
 	in := r.in
 	// New trims: in the forwarded plan and not re-applied (trims of step 1
 	// that a summary then replaced are not).
-	for i := range p.trims {
-		if _, ok := r.reapplied[i]; !ok {
-			r.done.add(stepTrimmed)
-			break
+	for i, k := range p.trims {
+		if old, ok := r.reapplied[i]; !ok || old != k {
+			switch {
+			case k > 0:
+				r.done.add(stepTrimmed)
+			case k == keepMask:
+				r.done.add(stepMasked)
+			default:
+				r.done.add(stepDeduped)
+			}
 		}
 	}
 	out.Messages = in.Messages
@@ -24,6 +30,11 @@ func (r *run) finish(out Output, p plan, cur int) Output {
 	}
 	out.Forwarded = cur
 	out.Action = r.actions(p)
+	out.Reduced, out.ResetAt = r.accounting(p)
+	out.CacheReset = out.ResetAt >= 0 && out.ResetAt < r.previousLen()
+	if out.CacheReset {
+		out.ResetTokens = max(cur-r.est(r.prefixView(p, out.ResetAt)), 0)
+	}
 	if r.changed() && r.chain {
 		r.store(p)
 	}
@@ -45,7 +56,7 @@ func (r *run) finish(out Output, p plan, cur int) Output {
 
 // changed tells whether this run made compaction records to store.
 func (r *run) changed() bool {
-	return !r.done.has(stepDiscarded) && r.done.has(stepTrimmed|stepSummarized|stepDropped|stepPendingTaken|stepShrunk)
+	return !r.done.has(stepDiscarded) && r.done.has(stepTrimmed|stepSummarized|stepDropped|stepPendingTaken|stepShrunk|stepDeduped|stepMasked)
 }
 
 // check renders p and asserts the invariant: every produced view must pass
@@ -68,7 +79,7 @@ func (r *run) check(p plan, cur int) ([]chat.Message, plan, int) {
 	if !r.changed() || violations(r.view(r.reapply())) > 0 {
 		r.st.Summary, r.st.Trims, r.st.Drops = nil, nil, nil
 	}
-	r.done.forget(stepTrimmed | stepSummarized | stepDropped)
+	r.done.forget(stepTrimmed | stepSummarized | stepDropped | stepDeduped | stepMasked)
 	r.done.add(stepDiscarded)
 	return r.in.Messages, plan{}, r.est(r.in.Messages)
 }
@@ -87,13 +98,22 @@ func (r *run) actions(p plan) Action {
 	case len(p.drops) > 0:
 		action = ActionDropped
 	case len(p.trims) > 0:
-		action = ActionTrimmed
+		action = ActionMasked
+		for _, k := range p.trims {
+			if k > 0 {
+				action = ActionTrimmed
+				break
+			}
+		}
 	}
 	if r.done.has(stepDropped) {
 		r.ev.NewActions = append(r.ev.NewActions, ActionDropped)
 	}
 	if r.done.has(stepTrimmed | stepShrunk) {
 		r.ev.NewActions = append(r.ev.NewActions, ActionTrimmed)
+	}
+	if r.done.has(stepDeduped | stepMasked) {
+		r.ev.NewActions = append(r.ev.NewActions, ActionMasked)
 	}
 	if r.done.has(stepDue) {
 		action = ActionSummarizePending
@@ -107,7 +127,9 @@ func (r *run) store(p plan) {
 	r.st.Drops = slices.Clone(p.drops)
 	r.st.Trims = r.st.Trims[:0:0]
 	for i, k := range p.trims {
-		r.st.Trims = append(r.st.Trims, Trim{Index: i, Prefix: r.in.Chain[i+1], Keep: k})
+		t := Trim{Index: i, Keep: k}
+		t.Prefix = r.in.Chain[t.covers()+1]
+		r.st.Trims = append(r.st.Trims, t)
 	}
 	slices.SortFunc(r.st.Trims, func(a, b Trim) int { return a.Index - b.Index })
 }
@@ -127,4 +149,87 @@ func stateEqual(a, b State) bool {
 		return false
 	}
 	return true
+}
+
+// accounting splits what this decision removed among the ladder's steps
+// (the estimate of the re-applied view less the forwarded one, each new
+// kind of record added in the ladder's order) and returns the first client
+// position whose forwarded bytes it changed (−1 when it changed none). It
+// estimates only when something new was made.
+func (r *run) accounting(p plan) (Reduction, int) {
+	var red Reduction
+	if r.cfg.Shadow || !r.changed() {
+		return red, -1
+	}
+	base := r.base
+	reset := -1
+	at := func(i int) {
+		if reset < 0 || i < reset {
+			reset = i
+		}
+	}
+	newSum := p.sum != nil && (base.sum == nil || *p.sum != *base.sum)
+	if newSum || (p.sum == nil) != (base.sum == nil) {
+		at(r.lead)
+	}
+	for _, d := range p.drops {
+		if !slices.Contains(base.drops, d) {
+			at(d.From)
+		}
+	}
+	// Add the new records of each kind in turn to the re-applied plan.
+	step := base.withTrims(nil, 0)
+	prev := r.est(r.view(step))
+	add := func(kind func(int) bool) int {
+		changed := false
+		for i, k := range p.trims {
+			if old, ok := base.trims[i]; (!ok || old != k) && kind(k) {
+				if newSum && i < p.sum.Cut {
+					continue
+				}
+				step.trims[i] = k
+				changed = true
+				at(i)
+			}
+		}
+		if !changed {
+			return 0
+		}
+		e := r.est(r.view(step))
+		d := prev - e
+		prev = e
+		return max(d, 0)
+	}
+	red.Dedupe = add(func(k int) bool { return k < keepMask })
+	red.Mask = add(func(k int) bool { return k == keepMask })
+	red.Trim = add(func(k int) bool { return k > 0 })
+	final := r.est(r.view(p))
+	if newSum || len(p.drops) != len(base.drops) {
+		q := p
+		q.drops = base.drops
+		if newSum {
+			q.drops = nil
+			for _, d := range p.drops {
+				if slices.Contains(base.drops, d) || d.From >= p.sum.Cut {
+					q.drops = append(q.drops, d)
+				}
+			}
+		}
+		mid := r.est(r.view(q))
+		if newSum {
+			red.Summarize = max(prev-mid, 0)
+		}
+		red.Drop = max(mid-final, 0)
+	}
+	return red, reset
+}
+
+// previousLen is how many client messages the previous forwarded view of
+// the lineage held (Input.PreviousLen), else every message but the final
+// one.
+func (r *run) previousLen() int {
+	if n := r.in.PreviousLen; n > 0 {
+		return n
+	}
+	return r.n - 1
 }

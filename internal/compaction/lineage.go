@@ -89,8 +89,8 @@ func SelectLineage(ls []Lineage, chain []anchor.Digest) int {
 			}
 		}
 		for _, t := range st.Trims {
-			if covers(chain, t.Index+1, t.Prefix) {
-				pick(i, t.Index+1)
+			if covers(chain, t.covers()+1, t.Prefix) {
+				pick(i, t.covers()+1)
 			}
 		}
 	}

@@ -58,7 +58,7 @@ func (r *run) reapply() plan {
 		p.sum = r.rejoined(*s)
 	}
 	for _, t := range r.st.Trims {
-		if t.Index < 0 || t.Index >= r.n-1 || ch[t.Index+1] != t.Prefix {
+		if t.Index < 0 || t.Index >= r.n-1 || t.covers() >= r.n || ch[t.covers()+1] != t.Prefix {
 			continue // the final message is never trimmed
 		}
 		if p.sum != nil && t.Index < p.sum.Cut {
@@ -124,13 +124,21 @@ func (r *run) block(s *Summary) []chat.Message {
 	return b
 }
 
-// trimmed returns the excerpt of message i (cached for this call).
+// trimmed returns message i as a Trim record of keep renders it: the
+// excerpt, or step 0's placeholder or pointer when keep ≤ 0 (cached for
+// this call).
 func (r *run) trimmed(i, keep int) (chat.Message, bool) {
 	k := [2]int{i, keep}
 	if m, ok := r.excerpts[k]; ok {
 		return m, true
 	}
-	m, ok := trimmed(r.msgs[i], keep)
+	var m chat.Message
+	var ok bool
+	if keep <= keepMask {
+		m, ok = r.reduced(i, keep)
+	} else {
+		m, ok = trimmed(r.msgs[i], keep)
+	}
 	if ok {
 		r.excerpts[k] = m
 	}

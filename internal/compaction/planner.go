@@ -44,6 +44,17 @@ type Config struct {
 	MinInterval time.Duration
 	// SummarizerEnabled allows the summarize step (else trim and drop only).
 	SummarizerEnabled bool
+	// Dedupe enables step 0's lossless reduction over the trigger: a tool
+	// result that a later one repeats (the same text without the tool's own
+	// envelope, or an older read of a file read again by the same tool)
+	// becomes a pointer to the later call. Mask enables the placeholder
+	// step after it: old tool results outside the tail and the working set
+	// become a placeholder naming their call, as few as reach the target,
+	// before any trim or summary. With either on, the working set (the
+	// latest read of a file re-read or edited, the latest output of a
+	// command re-run) is never excerpted short of the last resort. Both off
+	// at zero: the proxy sets them from its configuration.
+	Dedupe, Mask bool
 	// Shadow decides and reports but forwards the client's view unchanged
 	// and does not advance the state; the summarizer is never called (the
 	// decision is reported as ActionSummarizePending), because a summary
@@ -208,6 +219,12 @@ type Input struct {
 	// (calibrated on the conversation: code and tool output) makes of its
 	// prose.
 	SummaryInUpstreamTokens bool
+	// PreviousLen is how many client messages the lineage's previous
+	// request held (the selected Lineage's TipLen; 0 = unknown: every
+	// message but the final one counts as forwarded before). It tells a
+	// change that resets the provider's cache (Output.CacheReset) from one
+	// in messages it never saw.
+	PreviousLen int
 	// Measured > 0 is the provider-measured size of this view (from an
 	// overflow error); it overrides the estimate of the client's view, and
 	// every candidate view's estimate is scaled up by the same ratio.
@@ -220,11 +237,14 @@ type Action string
 // The actions. The values are the X-Compactproxy-Compaction header values
 // and the compactions_total label values.
 const (
-	ActionNone             Action = "none"
-	ActionTrimmed          Action = "trimmed"
-	ActionReused           Action = "reused"
-	ActionSummarized       Action = "summarized"
-	ActionDropped          Action = "dropped"
+	ActionNone       Action = "none"
+	ActionTrimmed    Action = "trimmed"
+	ActionReused     Action = "reused"
+	ActionSummarized Action = "summarized"
+	ActionDropped    Action = "dropped"
+	// ActionMasked: the view carries step 0's pointers or placeholders
+	// and no excerpt, summary or drop.
+	ActionMasked           Action = "masked"
 	ActionSummarizePending Action = "summarize_pending"
 )
 
@@ -279,7 +299,7 @@ type Output struct {
 	// applies, in Shadow mode and after an invariant failure.
 	Messages []chat.Message
 	// Action is the strongest thing Messages carries: summarized > reused >
-	// dropped > trimmed > none; summarize_pending when a summary is due
+	// dropped > trimmed > masked > none; summarize_pending when a summary is due
 	// and not in Messages (Need asks for it; in shadow mode Need is nil).
 	Action Action
 	// Need, when set, is the summary this decision asks for. Messages is
@@ -295,11 +315,38 @@ type Output struct {
 	// Budget, Trigger and Target are the thresholds in tokens (0 when the
 	// window is unknown); Fixed is the estimate of the fixed part F.
 	Budget, Trigger, Target, Fixed int
+	// Reduced is what this decision removed, in estimated tokens, by the
+	// ladder's step (new records only; re-applied ones removed nothing
+	// new): the proxy adds each to reduced_tokens_total{step}.
+	Reduced Reduction
+	// ResetAt is the first client position whose forwarded bytes this
+	// decision changed (a new record, summary or drop), −1 when none.
+	// CacheReset: ResetAt lies in what the previous forwarded view of the
+	// lineage held (Input.PreviousLen), so the provider re-reads the view
+	// from there uncached once (cache_resets_total).
+	ResetAt    int
+	CacheReset bool
+	// ResetTokens estimates what a cache reset makes the provider read
+	// uncached once: Messages from ResetAt on (0 without a reset). Set
+	// against Reduced, which every later step saves, it is what the
+	// decision must pay back.
+	ResetTokens int
 	// State is the conversation's state to save when StateChanged.
 	State        State
 	StateChanged bool
 	Events       Events
 }
+
+// Reduction is the estimated tokens each step of the ladder removed in
+// one decision (Output.Reduced), the reduced_tokens_total{step} label
+// values in its field names' lower case.
+type Reduction struct {
+	Dedupe, Mask, Trim, Summarize, Drop int
+}
+
+// workingSet tells whether step 0 runs, which keeps the working set
+// verbatim.
+func (c *Config) workingSet() bool { return c.Dedupe || c.Mask }
 
 // Planner decides compactions. It keeps no per-conversation memory: all of
 // it is in State; it reads no clock and calls nothing. Safe for concurrent
@@ -349,6 +396,16 @@ type run struct {
 	floor int  // the tail's floor: keep_tail messages, never opening on a tool result
 	keep  int  // Trim.Keep for new trims of step 1
 	scale float64
+	// base is the plan of the re-applied records.
+	base plan
+	// callOf and red are step 0's view of the calls and the duplicates
+	// (computed once, when needed).
+	callOf    []call
+	callCache map[int]call
+	red       *reductions
+	// lastResort is set while overBudget runs: the working set may be
+	// excerpted then (a view over the budget is a certain refusal).
+	lastResort bool
 	// room is the budget less the fixed part (0 until known).
 	room  int
 	ratio float64 // provider tokens per local token (Estimate.Ratio)
@@ -408,6 +465,7 @@ func (r *run) decision() Output {
 	out := Output{}
 
 	p := r.reapply()
+	r.base = p
 	r.reapplied = p.trims
 	view := r.in.Messages
 	if !p.empty() {
@@ -469,6 +527,15 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 	cfg := r.cfg
 	headStart := p.headStart(r.lead)
 
+	// 0. Dedupe (lossless, every repeated result outside the tail: once a
+	// view is over the trigger no duplicate bytes go out), then mask; not
+	// in the head a ready background summary replaces (see step 1).
+	if cfg.Dedupe {
+		if cur = r.dedupe(p, r.pendingFrom(*p, headStart, cur), r.tail, cur); cur < target {
+			return cur
+		}
+	}
+
 	// The progress guard, before anything changes the forwarded prefix: a
 	// view within the budget whose history not yet summarized is under
 	// the guard's amount goes as it is. Trimming it would change the
@@ -489,9 +556,14 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 	// summary (step 2, no model call), and a trim there would change the
 	// forwarded prefix (the upstream re-evaluates everything after it)
 	// only to keep that summary stored until a later crossing, older.
-	trimFrom := headStart
-	if r.readyPending(*p, *p, headStart, cur).ok {
-		trimFrom = r.st.Pending.Cut
+	trimFrom := r.pendingFrom(*p, headStart, cur)
+	// 0. Mask old results (no model call, the model can call again) before
+	// any excerpt or summary.
+	if cfg.Mask {
+		var reached bool
+		if cur, reached = r.mask(p, trimFrom, max(r.tail, headStart), cur, target); reached {
+			return cur
+		}
 	}
 	if cands := r.trimCandidates(*p, trimFrom, max(r.tail, headStart), r.long()); len(cands) > 0 {
 		var reached bool
@@ -526,6 +598,15 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 	return r.overBudget(p, cur, budget, target)
 }
 
+// pendingFrom is where the cheap steps may start: headStart, or the cut
+// of a ready background summary (its head is replaced whole).
+func (r *run) pendingFrom(p plan, headStart, cur int) int {
+	if r.readyPending(p, p, headStart, cur).ok {
+		return r.st.Pending.Cut
+	}
+	return headStart
+}
+
 // overBudget is what runs when nothing before it brought the view under
 // the budget: excerpts of the tool results after the summary (never the
 // final message), the drop, then the last resort — never forward a view
@@ -535,6 +616,8 @@ func (r *run) decide(p *plan, cur, budget, target int) int {
 // the final message last. What is still over the window is forwarded, and
 // said (Events.Impossible). It returns the view's estimate.
 func (r *run) overBudget(p *plan, cur, budget, target int) int {
+	r.lastResort = true
+	defer func() { r.lastResort = false }()
 	if cur > budget {
 		start := p.headStart(r.lead)
 		if cands := r.trimCandidates(*p, start, r.n-1, 0); len(cands) > 0 {

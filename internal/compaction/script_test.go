@@ -31,6 +31,7 @@ var update = flag.Bool("update", false, "rewrite testdata/*.txt with the planner
 //	                      latch_growth, min_interval, summary_tokens,
 //	                      summary_min_tokens, tail_ratio, trigger, target,
 //	                      reserve, trim_tokens, summarizer=off, shadow=on,
+//	                      dedupe=on, mask=on (step 0),
 //	                      corrupt=orphan (every produced view loses its
 //	                      first tool call: the invariant's test)
 //	system TEXT|N         the leading system message, or N bytes of one (set
@@ -39,6 +40,15 @@ var update = flag.Bool("update", false, "rewrite testdata/*.txt with the planner
 //	step N [N...]         an agent step: an assistant call and its tool result of
 //	                      N bytes (several sizes: parallel calls in one message)
 //	steps K N             K agent steps of N bytes each
+//	read PATH N [TAG]     an agent step reading PATH (read_file {"path":PATH})
+//	                      with a result of N bytes made from TAG (default PATH:
+//	                      the same TAG, the same text)
+//	exec CMD N [TAG]      an agent step running CMD (exec_command {"cmd":CMD});
+//	                      its result opens with Codex's envelope (a chunk id and
+//	                      a wall time that differ per run), then N bytes of TAG
+//	edit PATH             an agent step editing PATH (edit_file), result "ok"
+//	reduced               the last decision's tokens removed per step and
+//	                      where it changed the forwarded prefix
 //	user TEXT             a user message
 //	reply TEXT            an assistant message without calls
 //	plan [recover [measured=N]|background]  decide for the conversation as it is now
@@ -167,6 +177,10 @@ func (s *scriptSession) configure(args []string) {
 			cfg.SummarizerEnabled = v != "off"
 		case "shadow":
 			cfg.Shadow = v == "on"
+		case "dedupe":
+			cfg.Dedupe = v == "on"
+		case "mask":
+			cfg.Mask = v == "on"
 		case "corrupt":
 			corrupt = v == "orphan"
 		default:
@@ -215,6 +229,35 @@ func (s *scriptSession) run(line string) string {
 		}
 		s.msgs = append(append(s.msgs, callMsg("", calls...)), results...)
 		return fmt.Sprintf("%d messages\n", len(s.msgs)+1)
+	case "read", "exec", "edit":
+		id := fmt.Sprintf("call_%d", s.calls)
+		s.calls++
+		var c, result string
+		switch f[0] {
+		case "read":
+			n, _ := strconv.Atoi(f[2])
+			tag := f[1]
+			if len(f) > 3 {
+				tag = f[3]
+			}
+			c, result = fmt.Sprintf(`%s:read_file:{"path":%q}`, id, f[1]), blob(tag, n)
+		case "exec":
+			n, _ := strconv.Atoi(f[2])
+			tag := f[1]
+			if len(f) > 3 {
+				tag = f[3]
+			}
+			c = fmt.Sprintf(`%s:exec_command:{"cmd":%q}`, id, f[1])
+			result = fmt.Sprintf("Chunk ID: %06x\nWall time: 0.%04d seconds\nProcess exited with code 0\nOutput:\n%s", s.calls*7919, s.calls*37, blob(tag, n))
+		case "edit":
+			c, result = fmt.Sprintf(`%s:edit_file:{"path":%q,"old_string":"a","new_string":"b"}`, id, f[1]), "ok"
+		}
+		s.msgs = append(s.msgs, callMsg("", c), toolMsg(id, result))
+		return fmt.Sprintf("%d messages\n", len(s.msgs)+1)
+	case "reduced":
+		r := s.lastOut.Reduced
+		return fmt.Sprintf("dedupe=%d mask=%d trim=%d summarize=%d drop=%d reset_at=%d cache_reset=%v reset_tokens=%d\n",
+			r.Dedupe, r.Mask, r.Trim, r.Summarize, r.Drop, s.lastOut.ResetAt, s.lastOut.CacheReset, s.lastOut.ResetTokens)
 	case "steps":
 		k, _ := strconv.Atoi(f[1])
 		for range k {
@@ -338,8 +381,25 @@ func (s *scriptSession) state() string {
 	if st.Pending != nil {
 		fmt.Fprintf(&b, " pending=cut:%d", st.Pending.Cut)
 	}
-	if len(st.Trims) > 0 {
-		fmt.Fprintf(&b, " trims=%d", len(st.Trims))
+	var trims, masks, pointers int
+	for _, t := range st.Trims {
+		switch {
+		case t.Keep > 0:
+			trims++
+		case t.Keep == keepMask:
+			masks++
+		default:
+			pointers++
+		}
+	}
+	if trims > 0 {
+		fmt.Fprintf(&b, " trims=%d", trims)
+	}
+	if masks > 0 {
+		fmt.Fprintf(&b, " masks=%d", masks)
+	}
+	if pointers > 0 {
+		fmt.Fprintf(&b, " pointers=%d", pointers)
 	}
 	if len(st.Drops) > 0 {
 		fmt.Fprintf(&b, " drops=%d", len(st.Drops))
@@ -428,6 +488,8 @@ func showView(view []chat.Message) string {
 				ids[k] = c.ID
 			}
 			fmt.Fprintf(&b, "calls %s", strings.Join(ids, ","))
+		case m.Role == "tool" && strings.HasPrefix(text, "[compactproxy: "):
+			fmt.Fprintf(&b, "%s: %s", m.ToolCallID, text)
 		case m.Role == "tool" && strings.Contains(text, " characters elided by compactproxy ...]"):
 			fmt.Fprintf(&b, "%s: excerpt, %d bytes", m.ToolCallID, len(text))
 		case m.Role == "tool":

@@ -89,16 +89,45 @@ type Summary struct {
 	AskInline bool
 }
 
-// Trim is the record of one tool result forwarded as a head/tail excerpt.
+// Trim is the record of one tool result forwarded reduced: as a head/tail
+// excerpt (Keep > 0), or by step 0 (no model call) as a placeholder naming
+// its call (Keep == 0, a mask) or a pointer to the later result that
+// repeats it (Keep < 0, a dedupe: the later result is at Index − Keep).
+// Masks and pointers are stored as trims so every backend keeps them and
+// they are re-applied byte-for-byte like excerpts.
 type Trim struct {
 	// Index is the client position of the tool message; Prefix is the
 	// client chain's d[Index+1], which covers the message and everything
-	// before it.
+	// before it (for a pointer d[Index−Keep+1]: it covers the later result
+	// too).
 	Index  int
 	Prefix anchor.Digest
 	// Keep is the number of text bytes the excerpt keeps (two thirds from
-	// the head, one third from the tail).
+	// the head, one third from the tail); 0 for a mask; minus the distance
+	// to the later result for a pointer.
 	Keep int
+}
+
+// Masked tells whether the record is a mask: the result is forwarded as a
+// placeholder naming its call.
+func (t Trim) Masked() bool { return t.Keep == keepMask }
+
+// PointsTo returns the client position of the later result a dedupe
+// record points to; ok is false for an excerpt or a mask.
+func (t Trim) PointsTo() (later int, ok bool) {
+	if t.Keep < 0 {
+		return t.Index - t.Keep, true
+	}
+	return 0, false
+}
+
+// covers is the last client position the record depends on: the message,
+// or for a pointer the later result it names.
+func (t Trim) covers() int {
+	if t.Keep < 0 {
+		return t.Index - t.Keep
+	}
+	return t.Index
 }
 
 // Drop is the record of a range of client messages [From, To) that is not

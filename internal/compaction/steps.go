@@ -29,6 +29,11 @@ const (
 	// stepDiscarded: the produced view failed the invariant; the client's
 	// view is forwarded and nothing new is stored.
 	stepDiscarded
+	// stepDeduped: the forwarded plan carries pointers (dedupe) not
+	// re-applied from the state (finish notes it, as for trims).
+	stepDeduped
+	// stepMasked: likewise for placeholders (mask).
+	stepMasked
 )
 
 // steps is the log of the steps a run took.

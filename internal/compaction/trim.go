@@ -12,7 +12,9 @@ func (r *run) long() int { return r.cfg.TrimToolResultTokens }
 
 // trimCandidates lists, oldest first, the tool results in [from, to)
 // longer than limit provider tokens (measured as the local size of their
-// text times the estimate's ratio) that the plan does not trim or drop yet.
+// text times the estimate's ratio) that the plan does not trim or drop yet;
+// with step 0 on, not the working set's short of the last resort
+// (overBudget).
 func (r *run) trimCandidates(p plan, from, to, limit int) []int {
 	var out []int
 	for i := max(from, r.lead); i < to && i < r.n; i++ {
@@ -25,6 +27,9 @@ func (r *run) trimCandidates(p plan, from, to, limit int) []int {
 		}
 		if p.dropped(i) {
 			continue
+		}
+		if !r.lastResort && r.cfg.workingSet() && r.reductions().working[i] {
+			continue // the working set stays verbatim short of the last resort
 		}
 		if _, ok := r.trimmed(i, min(r.keep, max(limit*bytesPerToken/2, tightKeep))); ok {
 			out = append(out, i)
