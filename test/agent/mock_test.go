@@ -88,12 +88,12 @@ type mockModel struct {
 	pairAt    int // files pairAt and pairAt+1 are read in one parallel turn
 	files     []projectFile
 	srv       *httptest.Server
-
-	mu   sync.Mutex
-	reqs []upstreamReq
 	// resumable: a user message that is not the task resumes after the
-	// newest results seen (the agent's own compaction is on).
-	resumable  bool
+	// newest step answered (the agent's own compaction is on).
+	resumable bool
+
+	mu         sync.Mutex
+	reqs       []upstreamReq
 	prevPrompt map[string][]byte // previous rendered prompt per kind (agent, summarize, aux), for cached_tokens
 	seq        int
 	otherReqs  []string // non-chat requests: "GET /v1/models"
