@@ -28,7 +28,10 @@
 //
 // A dry run (a preview) stops after the first Plan; a caller that cannot
 // obtain the summary now forwards the first Plan's Messages, which fit
-// without it.
+// without it. internal/driver is this loop, written once, with what
+// surrounds it (loading the state, selecting the lineage, one summary per
+// lineage, the store's lease, storing the result): every caller, the
+// planner's request-level tests included, goes through it.
 //
 // Inside one Plan the steps run in this order, each in its own function:
 // re-apply what is stored (reapply), size the view and its thresholds

@@ -1,12 +1,9 @@
 package compaction
 
 import (
-	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -75,111 +72,6 @@ func fakeEstimate(view []chat.Message) anchor.Estimate {
 	return anchor.Estimate{Tokens: t / 4, Source: anchor.SourceLocal, Local: t / 4}
 }
 
-// fakeClock is a settable clock.
-type fakeClock struct {
-	mu sync.Mutex
-	t  time.Time
-}
-
-func newClock() *fakeClock { return &fakeClock{t: time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)} }
-
-func (c *fakeClock) Now() time.Time { c.mu.Lock(); defer c.mu.Unlock(); return c.t }
-
-func (c *fakeClock) Add(d time.Duration) { c.mu.Lock(); c.t = c.t.Add(d); c.mu.Unlock() }
-
-// summarizer is what the driver obtains summaries from.
-type summarizer interface {
-	Summarize(ctx context.Context, req SummaryRequest) (string, error)
-}
-
-// driver runs the planner as the proxy does: plan; when the decision asks
-// for a summary, obtain it and plan the same input again with the answer.
-type driver struct {
-	p     *Planner
-	sum   summarizer
-	clock *fakeClock
-}
-
-// newDriver builds a planner from cfg; sum nil means no summarizer (the
-// summarize step is off), c nil a fresh fake clock.
-func newDriver(cfg Config, sum summarizer, c *fakeClock) *driver {
-	if sum == nil {
-		cfg.SummarizerEnabled = false
-	}
-	if c == nil {
-		c = newClock()
-	}
-	return &driver{p: NewPlanner(cfg), sum: sum, clock: c}
-}
-
-// Compact is one request: the decision, with the summary it asks for.
-func (d *driver) Compact(ctx context.Context, in Input) Output { return d.plan(ctx, in, true) }
-
-// plan decides at the clock's time; obtain false is a dry run (a preview:
-// a summary that is due is only reported).
-func (d *driver) plan(ctx context.Context, in Input, obtain bool) Output {
-	in.Now = d.clock.Now()
-	out := d.p.Plan(in)
-	if out.Need == nil || !obtain {
-		return out
-	}
-	text, err := d.sum.Summarize(ctx, *out.Need)
-	in.Summary = ResultFor(out.Need, text, 0, err, ctx.Err() != nil)
-	return d.p.Plan(in)
-}
-
-func recoverIf(b bool) Pass {
-	if b {
-		return PassRecover
-	}
-	return PassForward
-}
-
-func backgroundIf(b bool) Pass {
-	if b {
-		return PassBackground
-	}
-	return PassForward
-}
-
-// fakeSummarizer records its calls and answers with fn.
-type fakeSummarizer struct {
-	mu     sync.Mutex
-	calls  int
-	heads  [][]chat.Message
-	prevs  []string
-	limits []int
-	reqs   []SummaryRequest
-	fn     func(call int, head []chat.Message, previous string) (string, error)
-}
-
-func (s *fakeSummarizer) Summarize(ctx context.Context, req SummaryRequest) (string, error) {
-	head, previous, maxTokens := req.Head, req.Previous, req.MaxTokens
-	s.mu.Lock()
-	s.calls++
-	call := s.calls
-	s.heads = append(s.heads, head)
-	s.prevs = append(s.prevs, previous)
-	s.limits = append(s.limits, maxTokens)
-	s.reqs = append(s.reqs, req)
-	s.mu.Unlock()
-	return s.fn(call, head, previous)
-}
-
-func (s *fakeSummarizer) Calls() int { s.mu.Lock(); defer s.mu.Unlock(); return s.calls }
-
-var errRejected = errors.New("summarizer: 400 strict template rejected the request")
-
-func failingSummarizer() *fakeSummarizer {
-	return &fakeSummarizer{fn: func(int, []chat.Message, string) (string, error) { return "", errRejected }}
-}
-
-func okSummarizer() *fakeSummarizer {
-	return &fakeSummarizer{fn: func(call int, head []chat.Message, previous string) (string, error) {
-		return fmt.Sprintf("Goal: add a retry. Summary #%d of %d messages.", call, len(head)), nil
-	}}
-}
-
 // blob is n bytes of line-structured text, distinct per tag.
 func blob(tag string, n int) string {
 	var b strings.Builder
@@ -187,35 +79,6 @@ func blob(tag string, n int) string {
 		fmt.Fprintf(&b, "%s line %d: the quick brown fox jumps over the lazy dog\n", tag, i)
 	}
 	return b.String()[:n]
-}
-
-// session runs Compact like the proxy: it carries the state between steps.
-type session struct {
-	tb    testing.TB
-	e     *driver
-	st    State
-	win   int
-	last  Output
-	dry   bool
-	steps int
-	// exact: summaries come from the upstream's model
-	// (Input.SummaryInUpstreamTokens).
-	exact bool
-}
-
-func (s *session) step(msgs []chat.Message) Output {
-	s.tb.Helper()
-	out := s.e.plan(context.Background(), Input{
-		Messages: msgs, Chain: chainOf(s.tb, msgs), State: s.st,
-		Window: s.win, Estimate: fakeEstimate,
-		SummaryInUpstreamTokens: s.exact,
-	}, !s.dry)
-	if out.StateChanged {
-		s.st = out.State
-	}
-	s.last = out
-	s.steps++
-	return out
 }
 
 // count returns how many messages of view have exactly raw as bytes.
@@ -244,4 +107,82 @@ func roles(view []chat.Message) string {
 		r[i] = view[i].Role
 	}
 	return strings.Join(r, ",")
+}
+
+const ask = "add a retry to fetch_rows in store.py"
+
+// agentSteps is an agent conversation: system, the ask, then steps
+// assistant call + result, each result size bytes.
+func agentSteps(steps, size int) []msg {
+	out := []msg{sysMsg("You are a coding agent."), userMsg(ask)}
+	for i := 0; i < steps; i++ {
+		id := fmt.Sprintf("call_%d", i)
+		out = append(out,
+			callMsg("", fmt.Sprintf(`%s:run:{"cmd":"step %d"}`, id, i)),
+			toolMsg(id, blob(fmt.Sprintf("step%d", i), size)))
+	}
+	return out
+}
+
+func baseConfig() Config {
+	return Config{
+		TriggerRatio: 0.8, TargetRatio: 0.6, KeepTail: 3, LatchGrowth: 20,
+		TrimToolResultTokens: 1024, MinInterval: time.Minute, SummarizerEnabled: true,
+		SummaryTokens: 200,
+	}
+}
+
+// defaultConfig is compactproxy's configuration defaults as the proxy
+// hands them to the planner (internal/config), not a tuned profile.
+func defaultConfig() Config {
+	return Config{
+		TriggerRatio: 0.8, TargetRatio: 0.6, ReserveTokens: 4096, KeepTail: 3, TailRatio: DefaultTailRatio,
+		LatchGrowth: 20, TrimToolResultTokens: 1024, MinInterval: time.Minute,
+		SummarizerEnabled: true, SummaryTokens: 1024, SummaryMinTokens: 256,
+	}
+}
+
+// checkView asserts what every forwarded view must satisfy.
+func checkView(t *testing.T, in []chat.Message, out Output) {
+	t.Helper()
+	if len(out.Messages) == 0 {
+		t.Fatal("empty view")
+	}
+	if v := violations(out.Messages); v != 0 {
+		t.Fatalf("view fails pairing (%d violations): %s", v, roles(out.Messages))
+	}
+	if got, want := out.Messages[len(out.Messages)-1].Raw, in[len(in)-1].Raw; string(got) != string(want) {
+		t.Fatalf("last message is not the client's: %.80s", got)
+	}
+	if out.Events.InvariantFailure {
+		t.Fatal("invariant failure")
+	}
+}
+
+// verbatimTailConv is the issue's case: the ask, exploration (ls, grep,
+// git log), then cat store.py and a failing pytest. With askInTail the ask
+// comes after the exploration, right before cat.
+func verbatimTailConv(askInTail bool) []msg {
+	out := []msg{sysMsg("You are a coding agent. Work in /repo.")}
+	if askInTail {
+		out = append(out, userMsg("look around the repository first"))
+	} else {
+		out = append(out, userMsg(ask))
+	}
+	for i, c := range []struct{ name, args string }{
+		{"ls", `{"cmd":"ls -la"}`}, {"grep", `{"cmd":"grep -rn fetch_rows ."}`}, {"git_log", `{"cmd":"git log --oneline -20"}`},
+	} {
+		id := fmt.Sprintf("x%d", i)
+		out = append(out, callMsg("", id+":"+c.name+":"+c.args), toolMsg(id, blob(c.name, 3000)))
+	}
+	if askInTail {
+		out = append(out, userMsg(ask))
+	}
+	out = append(out,
+		callMsg("I should read the file before changing it.", `c1:bash:{"cmd":"cat store.py"}`),
+		toolMsg("c1", "def fetch_rows(conn, q):\n    return conn.execute(q).fetchall()\n"+blob("store.py", 1500)),
+		callMsg("Now run the tests.", `c2:bash:{"cmd":"pytest -q"}`),
+		toolMsg("c2", "F.\nFAILED test_store.py::test_fetch_rows_retries - AssertionError\n"+blob("pytest", 800)),
+	)
+	return out
 }

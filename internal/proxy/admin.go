@@ -11,6 +11,7 @@ import (
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/compaction"
+	"github.com/compactproxy/compactproxy/internal/driver"
 	"github.com/compactproxy/compactproxy/internal/store"
 	"github.com/compactproxy/compactproxy/internal/wire"
 	"github.com/go-chi/chi/v5"
@@ -52,8 +53,8 @@ func (s *Server) handlePreview(w http.ResponseWriter, r *http.Request) {
 	// A dry run changes nothing and counts nothing; ?summarize=true is a
 	// real summarize, stored and counted like one made by a chat request.
 	summarize := r.URL.Query().Get("summarize") == "true"
-	out, _ := s.compact(r.Context(), r, cr, cv, compactOptions{pass: compaction.PassForward,
-		enabled: s.cfg.Compaction.Enabled, summarize: summarize, commit: summarize})
+	out, _ := s.driver.Decide(r.Context(), s.driverRequest(r, cr, cv, compaction.PassForward),
+		driver.Mode{Enabled: s.cfg.Compaction.Enabled, Summarize: summarize, Commit: summarize})
 	req := cr.req
 	window := s.windows.GetFor(cr.windowScope())
 	resp := previewResponse{

@@ -6,12 +6,10 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
-	"time"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
-	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
-	"github.com/compactproxy/compactproxy/internal/store"
+	"github.com/compactproxy/compactproxy/internal/driver"
 	"github.com/compactproxy/compactproxy/internal/upstream"
 	"go.uber.org/zap"
 )
@@ -32,16 +30,52 @@ func (s *Server) identify(r *http.Request, cr *chatRequest) *conversation {
 	return cv
 }
 
-// compactChat is the compact stage: the planner's decision for the
+// compactChat is the compact stage: the driver's decision for the
 // client's view (a summary it asks for is made once per lineage, detached
 // from this request, and waited for); forward becomes the decided view.
 func (s *Server) compactChat(ctx context.Context, r *http.Request, cr *chatRequest, cv *conversation, pass compaction.Pass) {
-	out, spent := s.compact(ctx, r, cr, cv, compactOptions{pass: pass, enabled: cr.compact, summarize: true, commit: true})
+	out, spent := s.driver.Decide(ctx, s.driverRequest(r, cr, cv, pass), driver.Mode{Enabled: cr.compact, Summarize: true, Commit: true})
 	cr.spent += spent
 	cr.decision, cr.decisionSpent = out, spent
 	if !sameView(out.Messages, cr.forward) {
 		cr.forward = out.Messages
 		cr.unchanged = false
+	}
+}
+
+// driverRequest is what the driver decides on for the client's view of
+// cv: the state key, the view's record chain and estimator, the model's
+// window, and, for a summary that outlives the request, copies that own
+// their bytes (the request's body buffer is pooled and reused once the
+// handler returns) and the summarize call.
+func (s *Server) driverRequest(r *http.Request, cr *chatRequest, cv *conversation, pass compaction.Pass) driver.Request {
+	view, req := cr.client, cr.req
+	return driver.Request{
+		ID:           cr.reqID,
+		Conversation: cv.id,
+		Key:          cv.key,
+		View:         view,
+		Chain: func() ([]anchor.Digest, error) {
+			return cv.recordChain(view)
+		},
+		Estimate: func(anchors []anchor.Anchor) compaction.Estimator {
+			return s.estimator(cv.memo, anchors, cv.identity)
+		},
+		Window:                  s.windows.GetFor(cr.windowScope()),
+		MaxTokens:               req.MaxTokens,
+		Pass:                    pass,
+		SummaryInUpstreamTokens: s.summaryInUpstreamTokens(req.Model),
+		SelfCompaction:          cr.selfCompaction,
+		Detach: func() driver.Detached {
+			memo := &chainMemo{s: s, seed: cv.memo.seed}
+			return driver.Detached{
+				View: detachMessages(view, req),
+				Estimate: func(anchors []anchor.Anchor) compaction.Estimator {
+					return s.estimator(memo, anchors, cv.identity)
+				},
+				Call: s.summaryCall(r.Header, req),
+			}
+		},
 	}
 }
 
@@ -127,7 +161,7 @@ func (s *Server) recoverOnce(ctx context.Context, r *http.Request, cr *chatReque
 	}
 	status, body := ua.Overflow()
 	info, ok := s.up.LearnOverflow(cr.reqID, cr.windowScope(), status, body)
-	if !ok || !cr.compact || s.planner == nil {
+	if !ok || !cr.compact {
 		return false
 	}
 	if info.Prompt > 0 {
@@ -166,145 +200,7 @@ func (s *Server) record(ctx context.Context, r *http.Request, cr *chatRequest, c
 	s.metrics.UsageInputTokens.WithLabelValues("cache_read").Add(float64(u.CacheRead))
 	s.metrics.UsageInputTokens.WithLabelValues("cache_write").Add(float64(u.CacheWrite))
 	s.recordAnchor(context.WithoutCancel(ctx), cr.reqID, cv, cr.forward, u)
-	if cr.compact && s.nearTrigger(cr.decision, u) {
-		s.presummarize(ctx, r, cr, cv)
+	if cr.compact {
+		s.driver.Background(ctx, s.driverRequest(r, cr, cv, compaction.PassBackground), cr.decision, u)
 	}
-}
-
-// compactOptions selects what one compaction may do.
-type compactOptions struct {
-	pass      compaction.Pass
-	enabled   bool // compaction applies to this request at all
-	summarize bool // obtain a summary the decision asks for (false: a preview's dry run)
-	commit    bool // save the new state and count the events
-}
-
-// compact decides for the client's view (cr.client): load → select the
-// lineage → plan → (obtain the summary the plan asks for) → save. Without
-// a known window, or when compaction does not apply, it only estimates;
-// when the state could not be read (the store is down: fail open) it
-// neither summarizes nor saves. It returns the decision and the time spent
-// summarizing or waiting for a summary (excluded from overhead).
-func (s *Server) compact(ctx context.Context, r *http.Request, cr *chatRequest, cv *conversation, o compactOptions) (compaction.Output, time.Duration) {
-	reqID := cr.reqID
-	view, model, maxTokens := cr.client, cr.req.Model, cr.req.MaxTokens
-	window := s.windows.GetFor(cr.windowScope())
-	conv, loaded := s.loadConversation(ctx, reqID, cv.key)
-	estimateOnly := func() compaction.Output {
-		e := s.estimator(cv.memo, conv.Anchors, cv.identity)(view)
-		out := compaction.Output{Messages: view, Action: compaction.ActionNone, Context: e, Forwarded: e.Tokens}
-		out.Budget = compaction.Budget(window, s.cfg.Compaction.ReserveTokens, maxTokens)
-		return out
-	}
-	if !o.enabled || s.planner == nil || window == 0 {
-		return estimateOnly(), 0
-	}
-	if cr.selfCompaction && o.pass == compaction.PassForward {
-		// The agent asks to summarize its history itself: it gets all of
-		// it while the whole request fits the window (DESIGN § Other
-		// APIs), else the compacted view like any request.
-		if out := estimateOnly(); out.Forwarded <= out.Budget {
-			return out, 0
-		}
-	}
-	chain, err := cv.recordChain(view)
-	if err != nil {
-		s.metrics.CompactionErrors.Inc()
-		return estimateOnly(), 0
-	}
-	run := planRun{cv: cv, view: view, chain: chain, window: window, maxTokens: maxTokens, model: model, o: o}
-	if !loaded {
-		// The state could not be read (the store is down or slow): no
-		// summary (it could be neither coordinated nor kept) and nothing
-		// stored, but the no-model-call steps (trim, and drop past the
-		// budget) still apply, so a conversation that outgrew the window
-		// is still answered instead of overflowing upstream.
-		out := s.planner.Plan(s.planInput(&run, store.Conversation{}, -1))
-		if o.commit {
-			s.countCompaction(reqID, cv.id, out)
-		}
-		return out, 0
-	}
-	li := compaction.SelectLineage(conv.Lineages, chain)
-	out := s.planner.Plan(s.planInput(&run, conv, li))
-	if !o.summarize || out.Need == nil {
-		if o.commit {
-			s.commitRun(ctx, reqID, &run, conv, li, out, false)
-		}
-		return out, 0
-	}
-	// A summary is due: made once per lineage (in this process and, with a
-	// shared store, across replicas), not under this client's context.
-	start := time.Now()
-	made, ok := s.summarizeShared(ctx, s.newSummaryJob(r, cr, &run), conv, li)
-	if !ok {
-		// Another request or replica holds the lineage's summarize, the
-		// store could not lease it, or this client left: forward the view
-		// without the summary now, and store nothing (the summary's save
-		// supersedes it).
-		if o.commit {
-			s.countCompaction(reqID, cv.id, out)
-		}
-		return out, time.Since(start)
-	}
-	return made, time.Since(start)
-}
-
-// planRun is what one decision is made on, besides the state.
-type planRun struct {
-	cv        *conversation
-	view      []chat.Message
-	chain     []anchor.Digest
-	window    int
-	maxTokens int
-	model     string
-	o         compactOptions
-}
-
-// planInput is the planner's input for run on lineage li of conv (-1: a
-// new lineage), at the time of the call.
-func (s *Server) planInput(run *planRun, conv store.Conversation, li int) compaction.Input {
-	var l compaction.Lineage
-	if li >= 0 {
-		l = conv.Lineages[li]
-	}
-	return compaction.Input{
-		Messages:  run.view,
-		Chain:     run.chain,
-		State:     l.WithAnchors(conv.Anchors),
-		Window:    run.window,
-		MaxTokens: run.maxTokens,
-		Estimate:  s.estimator(run.cv.memo, conv.Anchors, run.cv.identity),
-		Now:       time.Now(),
-		Pass:      run.o.pass,
-
-		SummaryInUpstreamTokens: s.summaryInUpstreamTokens(run.model),
-	}
-}
-
-// commitRun counts the decision's events and, when its state changed,
-// stores it as lineage li of conv (a new lineage when li is -1) through the
-// store's update: the lineage replaces the stored one only while that is
-// still the generation this decision started from, unless force (a
-// summarize result); other lineages and the anchors are untouched.
-func (s *Server) commitRun(ctx context.Context, reqID string, run *planRun, conv store.Conversation, li int, out compaction.Output, force bool) {
-	s.countCompaction(reqID, run.cv.id, out)
-	if !out.StateChanged {
-		return
-	}
-	n := len(run.chain) - 1
-	l := compaction.Lineage{ID: compaction.LineageID(run.chain), TipLen: n, Tip: run.chain[n], Used: time.Now().Unix(), State: out.State}
-	var base uint32
-	if li >= 0 {
-		l.ID, base = conv.Lineages[li].ID, conv.Lineages[li].Gen
-	}
-	err := s.store.UpdateLineages(ctx, run.cv.key, func(ls []compaction.Lineage) ([]compaction.Lineage, bool) {
-		if run.o.pass == compaction.PassBackground {
-			// A background summary merges into what requests saved
-			// meanwhile (it took seconds; the conversation went on).
-			return compaction.MergeBackground(ls, l), true
-		}
-		return compaction.SaveLineage(ls, l, base, force)
-	})
-	s.storeResult(reqID, "save", err)
 }

@@ -139,7 +139,7 @@ func TestFailedSummarizerLatches(t *testing.T) {
 		resp := p.chatOK(t, a.body())
 		// A summary due after this response runs in the background
 		// (presummarize); let it finish before counting calls.
-		p.srv.flights.waitBackground()
+		p.srv.driver.WaitBackground()
 		if latchedAt == 0 && sum.calls.Load() == 1 {
 			latchedAt = 2 + 2*a.step
 		}
@@ -164,7 +164,7 @@ func TestFailedSummarizerLatches(t *testing.T) {
 	}
 	a.toolStep(800)
 	p.chatOK(t, a.body())
-	p.srv.flights.waitBackground()
+	p.srv.driver.WaitBackground()
 	if n := sum.calls.Load(); n != 1 {
 		t.Fatalf("UI-only messages released the latch: %d calls", n)
 	}
@@ -174,7 +174,7 @@ func TestFailedSummarizerLatches(t *testing.T) {
 	for i := 0; i < 20 && retriedAt == 0; i++ {
 		a.toolStep(800)
 		p.chatOK(t, a.body())
-		p.srv.flights.waitBackground()
+		p.srv.driver.WaitBackground()
 		if sum.calls.Load() > 1 {
 			retriedAt = 2 + 2*a.step
 		}

@@ -189,7 +189,7 @@ func TestParseCacheSameBehaviour(t *testing.T) {
 				body = a.body()
 			}
 			resp := p.chatOK(t, body)
-			p.srv.flights.waitBackground()
+			p.srv.driver.WaitBackground()
 			h := http.Header{}
 			for _, k := range []string{"X-Compactproxy-Compaction", "X-Compactproxy-Context-Tokens", "X-Compactproxy-Context-Source", "X-Compactproxy-Forwarded-Tokens", "X-Compactproxy-Conversation-Id"} {
 				h.Set(k, resp.Header.Get(k))

@@ -37,7 +37,7 @@ func TestPresummarizeKeepsSummarizeOffTheCriticalPath(t *testing.T) {
 			}
 			// An agent's own think time: a background summary started
 			// after this response finishes before the next step.
-			p.srv.flights.waitBackground()
+			p.srv.driver.WaitBackground()
 		}
 		t.Fatal("the loop never crossed the trigger")
 		return "", 0, 0, 0
@@ -89,7 +89,7 @@ func TestRequestJoiningBackgroundSummaryUsesIt(t *testing.T) {
 			summarized++
 		}
 	}
-	p.srv.flights.waitBackground()
+	p.srv.driver.WaitBackground()
 	if v := counter(t, p.reg, "compactproxy_compactions_total", map[string]string{"action": "dropped"}); v != 0 {
 		t.Errorf("compactions_total{dropped} = %v, want 0 (summarize_total{failure} = %v)", v,
 			counter(t, p.reg, "compactproxy_summarize_total", map[string]string{"result": "failure"}))
@@ -118,7 +118,7 @@ func TestBackgroundSummaryExtendsForwardedView(t *testing.T) {
 		a.toolStep(400)
 		n := len(up.requests())
 		p.chatOK(t, a.body())
-		p.srv.flights.waitBackground()
+		p.srv.driver.WaitBackground()
 		reqs := up.requests()
 		if len(reqs) < n+2 {
 			continue // no background summary after this response

@@ -13,9 +13,9 @@ import (
 	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/compaction"
 	"github.com/compactproxy/compactproxy/internal/config"
+	"github.com/compactproxy/compactproxy/internal/driver"
 	"github.com/compactproxy/compactproxy/internal/metrics"
 	"github.com/compactproxy/compactproxy/internal/store"
-	"github.com/compactproxy/compactproxy/internal/summarizer"
 	"github.com/compactproxy/compactproxy/internal/upstream"
 	"github.com/compactproxy/compactproxy/internal/wire"
 	"github.com/go-chi/chi/v5"
@@ -47,18 +47,15 @@ type Server struct {
 	upstreamName string
 	store        store.Backend
 	storeHealth  storeHealth
-	flights      flights
 	calibration  *anchor.Calibration
 	impossible   onceSet // conversations warned about a fixed part over the budget
 	local        anchor.LocalEstimator
-	planner      *compaction.Planner // nil when compaction is off
-	sum          *summarizer.Client  // nil when the summarizer is off
+	driver       *driver.Driver
 	digests      *digestCache
 	parses       *parseCache
 	// summarizerIsUpstream: the summarizer is the chat upstream itself, so
 	// the client's own credentials may be used for it.
 	summarizerIsUpstream bool
-	sumSem               chan struct{}
 }
 
 // apiURL is where one API's requests go upstream, and how logs show it.
@@ -104,13 +101,25 @@ func New(cfg config.Config, log *zap.Logger, reg *prometheus.Registry) (*Server,
 	s.local = anchor.NewLocalEstimator()
 	s.digests = newDigestCache(digestCacheEntries)
 	s.parses = newParseCache(parseCacheBytes)
+	dc := driver.Config{
+		ReserveTokens:     cfg.Compaction.ReserveTokens,
+		Store:             s.store,
+		MaxConcurrent:     cfg.Compaction.Summarizer.MaxConcurrent,
+		Timeout:           cfg.Compaction.Summarizer.Timeout,
+		PresummarizeRatio: cfg.Compaction.PresummarizeRatio,
+		Shadow:            cfg.Compaction.Mode == "shadow",
+		Observer:          driverObserver{s},
+	}
 	if cfg.Compaction.Enabled {
 		cc := s.compactionConfig()
-		if s.sum = s.newSummarizer(); s.sum == nil {
+		if sum := s.newSummarizer(); sum != nil {
+			dc.Summarizer = sum
+		} else {
 			cc.SummarizerEnabled = false
 		}
-		s.planner = compaction.NewPlanner(cc)
+		dc.Planner = compaction.NewPlanner(cc)
 	}
+	s.driver = driver.New(dc)
 	s.handler = s.routes(reg)
 	return s, nil
 }

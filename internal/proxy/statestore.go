@@ -7,6 +7,7 @@ import (
 	"net"
 	"sync/atomic"
 
+	"github.com/compactproxy/compactproxy/internal/compaction"
 	"github.com/compactproxy/compactproxy/internal/config"
 	"github.com/compactproxy/compactproxy/internal/store"
 	"go.uber.org/zap"
@@ -39,14 +40,6 @@ type storeHealth struct {
 	down atomic.Bool
 }
 
-// loadConversation reads the conversation's state; ok false when the store
-// failed (the request goes on without new compaction: fail open).
-func (s *Server) loadConversation(ctx context.Context, reqID, key string) (store.Conversation, bool) {
-	conv, _, err := s.store.Load(ctx, key)
-	s.storeResult(reqID, "load", err)
-	return conv, err == nil
-}
-
 // storeResult counts a failed store operation (store_errors_total{op}) and
 // logs the first failure of an outage and the recovery.
 func (s *Server) storeResult(reqID, op string, err error) {
@@ -70,5 +63,24 @@ func (s *Server) storeResult(reqID, op string, err error) {
 		// and the operation are what an operator needs here.
 		s.log.Warn("state store failing; forwarding without new compaction until it recovers",
 			zap.String("request_id", reqID), zap.String("op", op), zap.String("kind", kind))
+	}
+}
+
+// driverObserver is what the proxy counts and logs of the driver's work.
+type driverObserver struct{ s *Server }
+
+func (o driverObserver) StoreResult(reqID, op string, err error) { o.s.storeResult(reqID, op, err) }
+
+func (o driverObserver) Decided(reqID, conversation string, out compaction.Output) {
+	o.s.countCompaction(reqID, conversation, out)
+}
+
+func (o driverObserver) ChainFailed() { o.s.metrics.CompactionErrors.Inc() }
+
+func (o driverObserver) Background(ok bool) {
+	if ok {
+		o.s.metrics.Presummarize.WithLabelValues("success").Inc()
+	} else {
+		o.s.metrics.Presummarize.WithLabelValues("failure").Inc()
 	}
 }

@@ -1,19 +1,15 @@
-package compaction
+package driver
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/compactproxy/compactproxy/internal/compaction"
 	"slices"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
-	"unicode/utf16"
-	"unicode/utf8"
 
-	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/chat"
 )
 
@@ -32,8 +28,8 @@ func agentSteps(steps, size int) []msg {
 	return out
 }
 
-func baseConfig() Config {
-	return Config{
+func baseConfig() compaction.Config {
+	return compaction.Config{
 		TriggerRatio: 0.8, TargetRatio: 0.6, KeepTail: 3, LatchGrowth: 20,
 		TrimToolResultTokens: 1024, MinInterval: time.Minute, SummarizerEnabled: true,
 		SummaryTokens: 200,
@@ -41,7 +37,7 @@ func baseConfig() Config {
 }
 
 // checkView asserts what every forwarded view must satisfy.
-func checkView(t *testing.T, in []chat.Message, out Output) {
+func checkView(t *testing.T, in []chat.Message, out compaction.Output) {
 	t.Helper()
 	if len(out.Messages) == 0 {
 		t.Fatal("empty view")
@@ -97,10 +93,10 @@ func TestFailedSummarizerLatch(t *testing.T) {
 			if sum.Calls() != 1 || out.Events.SummarizeCalled {
 				t.Fatalf("step %d (count %d, C %d): calls %d", steps, len(msgs), C, sum.Calls())
 			}
-			if over != (out.Events.Suppressed == SuppressedLatch) {
+			if over != (out.Events.Suppressed == compaction.SuppressedLatch) {
 				t.Fatalf("step %d: over the trigger %v, suppressed %q", steps, over, out.Events.Suppressed)
 			}
-			if out.Action == ActionSummarized {
+			if out.Action == compaction.ActionSummarized {
 				t.Fatalf("step %d: latched step summarized", steps)
 			}
 			continue
@@ -169,7 +165,7 @@ func TestVerbatimTail(t *testing.T) {
 			msgs := parse(t, verbatimTailConv(tc.askInTail))
 			out := s.step(msgs)
 			checkView(t, msgs, out)
-			if out.Action != ActionSummarized || sum.Calls() != 1 {
+			if out.Action != compaction.ActionSummarized || sum.Calls() != 1 {
 				t.Fatalf("action %q, calls %d, context %d trigger %d", out.Action, sum.Calls(), out.Context.Tokens, out.Trigger)
 			}
 			if got := verbatimTail(msgs, out.Messages); got != tc.wantTail {
@@ -217,7 +213,7 @@ func TestReuseAndFold(t *testing.T) {
 	conv := verbatimTailConv(false)
 	msgs := parse(t, conv)
 	prev := s.step(msgs)
-	if prev.Action != ActionSummarized {
+	if prev.Action != compaction.ActionSummarized {
 		t.Fatalf("action %q", prev.Action)
 	}
 	oldCut := prev.State.Summary.Cut
@@ -227,10 +223,10 @@ func TestReuseAndFold(t *testing.T) {
 		msgs = parse(t, conv)
 		out := s.step(msgs)
 		checkView(t, msgs, out)
-		if sum.Calls() != 1 || out.Action != ActionReused {
+		if sum.Calls() != 1 || out.Action != compaction.ActionReused {
 			t.Fatalf("step %d: calls %d action %q", step, sum.Calls(), out.Action)
 		}
-		if len(out.Events.NewActions) != 1 || out.Events.NewActions[0] != ActionReused {
+		if len(out.Events.NewActions) != 1 || out.Events.NewActions[0] != compaction.ActionReused {
 			t.Errorf("new actions %v", out.Events.NewActions)
 		}
 		for i := range prev.Messages {
@@ -250,7 +246,7 @@ func TestReuseAndFold(t *testing.T) {
 		if sum.Calls() == 1 {
 			continue
 		}
-		if out.Action != ActionSummarized || sum.prevs[1] != prev.State.Summary.Text {
+		if out.Action != compaction.ActionSummarized || sum.prevs[1] != prev.State.Summary.Text {
 			t.Fatalf("fold: action %q, previous %q", out.Action, sum.prevs[1])
 		}
 		if head := sum.heads[1]; string(head[0].Raw) != string(msgs[oldCut].Raw) || len(head) != out.State.Summary.Cut-oldCut {
@@ -283,7 +279,7 @@ func hugeTail(t *testing.T, sum *fakeSummarizer) {
 		msgs := parse(t, conv)
 		out := s.step(msgs)
 		checkView(t, msgs, out)
-		if out.Action == ActionDropped || slices.Contains(out.Events.NewActions, ActionDropped) {
+		if out.Action == compaction.ActionDropped || slices.Contains(out.Events.NewActions, compaction.ActionDropped) {
 			t.Fatalf("step %d: dropped", step)
 		}
 		if out.Forwarded > out.Budget {
@@ -313,8 +309,8 @@ func hugeTail(t *testing.T, sum *fakeSummarizer) {
 }
 
 // (e) The throttle: one attempt per min_interval unless the
-// provider-visible count changed; overflow recovery ignores it but honours
-// the latch.
+// provider-visible count changed; overflow recovery ignores it (that it
+// honours the latch is internal/compaction's TestRecoverHonoursTheLatch).
 func TestThrottle(t *testing.T) {
 	cfg := baseConfig()
 	cfg.LatchGrowth = 0 // isolate the throttle
@@ -323,7 +319,7 @@ func TestThrottle(t *testing.T) {
 	e := newDriver(cfg, sum, clock)
 	msgs := parse(t, verbatimTailConv(false))
 	more := parse(t, append(verbatimTailConv(false), callMsg("", `z:edit:{}`), toolMsg("z", "ok")))
-	var st State
+	var st compaction.State
 	for _, tc := range []struct {
 		name      string
 		advance   time.Duration
@@ -333,15 +329,15 @@ func TestThrottle(t *testing.T) {
 		wantSupp  string
 	}{
 		{"first attempt", 0, msgs, false, 1, ""},
-		{"same count within the interval", 10 * time.Second, msgs, false, 1, SuppressedThrottle},
+		{"same count within the interval", 10 * time.Second, msgs, false, 1, compaction.SuppressedThrottle},
 		{"interval passed", 51 * time.Second, msgs, false, 2, ""},
 		{"count changed", time.Second, more, false, 3, ""},
-		{"same count again", time.Second, more, false, 3, SuppressedThrottle},
+		{"same count again", time.Second, more, false, 3, compaction.SuppressedThrottle},
 		{"overflow recovery ignores the throttle", time.Second, more, true, 4, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			clock.Add(tc.advance)
-			out := e.Compact(context.Background(), Input{Messages: tc.msgs, Chain: chainOf(t, tc.msgs), State: st,
+			out := e.Compact(context.Background(), compaction.Input{Messages: tc.msgs, Chain: chainOf(t, tc.msgs), State: st,
 				Window: 3500, Estimate: fakeEstimate, Pass: recoverIf(tc.ignore)})
 			checkView(t, tc.msgs, out)
 			if out.StateChanged {
@@ -352,20 +348,6 @@ func TestThrottle(t *testing.T) {
 			}
 		})
 	}
-	t.Run("overflow recovery honours the latch", func(t *testing.T) {
-		cfg := baseConfig()
-		sum := failingSummarizer()
-		e := newDriver(cfg, sum, newClock())
-		out := e.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 3500, Estimate: fakeEstimate})
-		out = e.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), State: out.State, Window: 3500,
-			Estimate: fakeEstimate, Pass: PassRecover, Measured: 5000})
-		if sum.Calls() != 1 || out.Events.Suppressed != SuppressedLatch {
-			t.Fatalf("calls %d, suppressed %q", sum.Calls(), out.Events.Suppressed)
-		}
-		if out.Context.Tokens != 5000 {
-			t.Errorf("measured size not used: %d", out.Context.Tokens)
-		}
-	})
 }
 
 // (f) Shadow mode decides and reports but forwards the client's view and
@@ -377,16 +359,16 @@ func TestShadow(t *testing.T) {
 		name       string
 		msgs       []msg
 		win        int
-		wantAction Action
-		wantNew    []Action
+		wantAction compaction.Action
+		wantNew    []compaction.Action
 	}{
-		{"would summarize", verbatimTailConv(false), 3500, ActionSummarizePending, nil},
-		{"would trim", agentSteps(6, 6000), 10000, ActionTrimmed, []Action{ActionTrimmed}},
+		{"would summarize", verbatimTailConv(false), 3500, compaction.ActionSummarizePending, nil},
+		{"would trim", agentSteps(6, 6000), 10000, compaction.ActionTrimmed, []compaction.Action{compaction.ActionTrimmed}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			sum := okSummarizer()
 			msgs := parse(t, tc.msgs)
-			out := newDriver(cfg, sum, newClock()).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
+			out := newDriver(cfg, sum, newClock()).Compact(context.Background(), compaction.Input{Messages: msgs, Chain: chainOf(t, msgs),
 				Window: tc.win, Estimate: fakeEstimate})
 			if len(out.Messages) != len(msgs) || &out.Messages[0] != &msgs[0] {
 				t.Fatal("shadow mode changed the forwarded view")
@@ -407,120 +389,6 @@ func TestShadow(t *testing.T) {
 	}
 }
 
-// (g) A produced view that fails the pairing check is discarded: the
-// client's view is forwarded, nothing new is stored, the failure reported.
-func TestInvariantFailure(t *testing.T) {
-	for _, tc := range []struct {
-		name    string
-		corrupt func([]chat.Message) []chat.Message
-		msgs    []msg
-		win     int
-	}{
-		{"summary view loses a result", func(v []chat.Message) []chat.Message { // drops the last tool result but one
-			for i := len(v) - 2; i >= 0; i-- {
-				if v[i].Role == "tool" {
-					return append(v[:i:i], v[i+1:]...)
-				}
-			}
-			return v
-		}, verbatimTailConv(false), 3500},
-		{"trimmed view gets an orphan", func(v []chat.Message) []chat.Message {
-			return append([]chat.Message{v[0], chat.WithContentText(v[3], "x")}, v[1:]...)
-		}, agentSteps(6, 6000), 10000},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			sum := okSummarizer()
-			e := newDriver(baseConfig(), sum, newClock())
-			e.p.corrupt = tc.corrupt
-			msgs := parse(t, tc.msgs)
-			out := e.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), Window: tc.win,
-				Estimate: fakeEstimate})
-			if !out.Events.InvariantFailure || &out.Messages[0] != &msgs[0] || len(out.Messages) != len(msgs) {
-				t.Fatalf("invariant failure %v, %d messages", out.Events.InvariantFailure, len(out.Messages))
-			}
-			if out.Action != ActionNone || len(out.Events.NewActions) != 0 {
-				t.Errorf("action %q new %v", out.Action, out.Events.NewActions)
-			}
-			if out.State.Summary != nil || len(out.State.Trims) != 0 || len(out.State.Drops) != 0 {
-				t.Errorf("records stored after an invariant failure: %+v", out.State)
-			}
-			if out.Forwarded != fakeEstimate(msgs).Tokens {
-				t.Errorf("forwarded %d", out.Forwarded)
-			}
-		})
-	}
-	t.Run("pairing off: an invalid client view is no failure when nothing is added", func(t *testing.T) {
-		conv := verbatimTailConv(false)
-		conv = append(conv[:3:3], append([]msg{toolMsg("ghost", "orphan")}, conv[3:]...)...)
-		msgs := parse(t, conv)
-		if violations(msgs) == 0 {
-			t.Fatal("test conversation should be invalid")
-		}
-		out := newDriver(baseConfig(), okSummarizer(), newClock()).Compact(context.Background(), Input{Messages: msgs,
-			Chain: chainOf(t, msgs), Window: 3500, Estimate: fakeEstimate})
-		if out.Events.InvariantFailure || out.Action != ActionSummarized {
-			t.Fatalf("action %q invariant %v", out.Action, out.Events.InvariantFailure)
-		}
-	})
-}
-
-// Trim: long tool results outside the tail become excerpts, oldest first,
-// only as many as needed, recorded and re-applied byte-identically.
-func TestTrim(t *testing.T) {
-	sum := okSummarizer()
-	s := &session{tb: t, e: newDriver(baseConfig(), sum, newClock()), win: 10000}
-	conv := agentSteps(6, 6000) // 6 × 1500 tokens
-	msgs := parse(t, conv)
-	out := s.step(msgs)
-	checkView(t, msgs, out)
-	if out.Action != ActionTrimmed || sum.Calls() != 0 || out.Forwarded >= out.Target {
-		t.Fatalf("action %q calls %d forwarded %d target %d", out.Action, sum.Calls(), out.Forwarded, out.Target)
-	}
-	trims := out.State.Trims
-	if len(trims) == 0 || trims[0].Index != 3 {
-		t.Fatalf("trims %+v", trims)
-	}
-	for k, tr := range trims {
-		if k > 0 && tr.Index <= trims[k-1].Index {
-			t.Fatal("trims not oldest first")
-		}
-	}
-	// Only as many as needed: without the last one the view is over the target.
-	if len(trims) > 1 {
-		var fewer State
-		fewer.Trims = trims[:len(trims)-1]
-		p := (&run{cfg: &s.e.p.cfg, msgs: msgs, n: len(msgs), chain: true, in: Input{Chain: chainOf(t, msgs)}, st: fewer,
-			excerpts: map[[2]int]chat.Message{}, lead: 1}).reapply()
-		r := &run{msgs: msgs, n: len(msgs), excerpts: map[[2]int]chat.Message{}, blocks: map[*Summary][]chat.Message{}}
-		if fakeEstimate(r.view(p)).Tokens < out.Target {
-			t.Error("trimmed more than needed")
-		}
-	}
-	trimmedText := chat.Text(out.Messages[3])
-	if !strings.Contains(trimmedText, " characters elided by compactproxy ...]") || len(trimmedText) > 2048+100 {
-		t.Fatalf("excerpt %d bytes: %.300q", len(trimmedText), trimmedText)
-	}
-	if !strings.HasPrefix(trimmedText, "step0 line 0:") || !strings.HasSuffix(trimmedText, chat.Text(msgs[3])[len(chat.Text(msgs[3]))-100:]) {
-		t.Error("excerpt does not keep head and tail")
-	}
-	// The tail is untouched.
-	if verbatimTail(msgs, out.Messages) < 3 {
-		t.Error("tail changed")
-	}
-	// Next step: re-applied identically, no new trims.
-	conv = append(conv, callMsg("", `n:edit:{}`), toolMsg("n", "ok"))
-	msgs2 := parse(t, conv)
-	out2 := s.step(msgs2)
-	for i := range out.Messages {
-		if string(out2.Messages[i].Raw) != string(out.Messages[i].Raw) {
-			t.Fatalf("message %d not re-applied identically", i)
-		}
-	}
-	if out2.Action != ActionTrimmed || len(out2.Events.NewActions) != 0 {
-		t.Errorf("re-applied: action %q new %v", out2.Action, out2.Events.NewActions)
-	}
-}
-
 // Drop: with the summarizer off, a conversation over the budget whose
 // results are short loses its oldest turns, pairing-safe, keeping the ask.
 func TestDrop(t *testing.T) {
@@ -532,7 +400,7 @@ func TestDrop(t *testing.T) {
 		msgs := parse(t, conv)
 		out := s.step(msgs)
 		checkView(t, msgs, out)
-		if out.Forwarded > out.Budget || out.Action != ActionDropped {
+		if out.Forwarded > out.Budget || out.Action != compaction.ActionDropped {
 			t.Fatalf("step %d: action %q forwarded %d budget %d", step, out.Action, out.Forwarded, out.Budget)
 		}
 		if out.Messages[1].Role != "user" || chat.Text(out.Messages[1]) != ask || out.Messages[2].Role != "assistant" {
@@ -556,7 +424,7 @@ func TestDryRun(t *testing.T) {
 	msgs := parse(t, verbatimTailConv(false))
 	out := s.step(msgs)
 	checkView(t, msgs, out)
-	if out.Action != ActionSummarizePending || sum.Calls() != 0 || out.Events.SummarizeCalled {
+	if out.Action != compaction.ActionSummarizePending || sum.Calls() != 0 || out.Events.SummarizeCalled {
 		t.Fatalf("action %q calls %d", out.Action, sum.Calls())
 	}
 	if !out.State.LastAttempt.IsZero() {
@@ -565,35 +433,27 @@ func TestDryRun(t *testing.T) {
 }
 
 // Failures that are never spliced in: empty text, a summary that does not
-// shrink the view, a timeout; a client that went away does not latch.
+// shrink the view, a timeout. (A client that went away: TestClientLeaves;
+// that it does not latch is the planner's, internal/compaction.)
 func TestSummaryFailures(t *testing.T) {
 	msgs := parse(t, verbatimTailConv(false))
 	for _, tc := range []struct {
 		name    string
-		fn      func(ctx context.Context) (string, error)
-		cancel  bool
+		text    string
+		err     error
 		wantErr error
 		latch   bool
 	}{
-		{"empty", func(context.Context) (string, error) { return "  \n", nil }, false, ErrEmptySummary, true},
-		{"not smaller", func(context.Context) (string, error) { return strings.Repeat("long ", 4000), nil }, false, ErrSummaryNotSmaller, true},
-		{"timeout", func(context.Context) (string, error) { return "", context.DeadlineExceeded }, false, context.DeadlineExceeded, true},
-		{"client went away", func(ctx context.Context) (string, error) { return "", ctx.Err() }, true, context.Canceled, false},
+		{"empty", "  \n", nil, compaction.ErrEmptySummary, true},
+		{"not smaller", strings.Repeat("long ", 4000), nil, compaction.ErrSummaryNotSmaller, true},
+		{"timeout", "", context.DeadlineExceeded, context.DeadlineExceeded, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			sum := &fakeSummarizer{}
-			ctx, cancel := context.WithCancel(context.Background())
-			defer cancel()
-			sum.fn = func(int, []chat.Message, string) (string, error) {
-				if tc.cancel {
-					cancel()
-				}
-				return tc.fn(ctx)
-			}
-			out := newDriver(baseConfig(), sum, newClock()).Compact(ctx, Input{Messages: msgs, Chain: chainOf(t, msgs),
+			sum := &fakeSummarizer{fn: func(int, []chat.Message, string) (string, error) { return tc.text, tc.err }}
+			out := newDriver(baseConfig(), sum, newClock()).Compact(context.Background(), compaction.Input{Messages: msgs, Chain: chainOf(t, msgs),
 				Window: 3500, Estimate: fakeEstimate})
 			checkView(t, msgs, out)
-			if !errors.Is(out.Events.SummaryError, tc.wantErr) || out.Events.SummarizeOK || out.Action == ActionSummarized {
+			if !errors.Is(out.Events.SummaryError, tc.wantErr) || out.Events.SummarizeOK || out.Action == compaction.ActionSummarized {
 				t.Fatalf("error %v ok %v action %q", out.Events.SummaryError, out.Events.SummarizeOK, out.Action)
 			}
 			if out.State.Latched != tc.latch || out.Events.LatchEngaged != tc.latch {
@@ -608,8 +468,9 @@ func TestSummaryFailures(t *testing.T) {
 	}
 }
 
-// Below the trigger and with an unknown window nothing is done; stored
-// compaction is still re-applied.
+// Below the trigger and with an unknown window nothing is done (the
+// planner's re-applying stored compaction at an unknown window is
+// internal/compaction's; the driver does not plan without a window).
 func TestNoCompaction(t *testing.T) {
 	msgs := parse(t, verbatimTailConv(false))
 	for _, tc := range []struct {
@@ -622,9 +483,9 @@ func TestNoCompaction(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			sum := okSummarizer()
-			out := newDriver(baseConfig(), sum, newClock()).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
+			out := newDriver(baseConfig(), sum, newClock()).Compact(context.Background(), compaction.Input{Messages: msgs, Chain: chainOf(t, msgs),
 				Window: tc.win, MaxTokens: tc.max, Estimate: fakeEstimate})
-			if out.Action != ActionNone || &out.Messages[0] != &msgs[0] || out.StateChanged || sum.Calls() != 0 {
+			if out.Action != compaction.ActionNone || &out.Messages[0] != &msgs[0] || out.StateChanged || sum.Calls() != 0 {
 				t.Fatalf("action %q changed %v", out.Action, out.StateChanged)
 			}
 			if out.Context.Tokens != fakeEstimate(msgs).Tokens || out.Forwarded != out.Context.Tokens {
@@ -632,24 +493,13 @@ func TestNoCompaction(t *testing.T) {
 			}
 		})
 	}
-	t.Run("stored summary re-applied with an unknown window", func(t *testing.T) {
-		e := newDriver(baseConfig(), okSummarizer(), newClock())
-		first := e.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 3500, Estimate: fakeEstimate})
-		out := e.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), State: first.State, Estimate: fakeEstimate})
-		if out.Action != ActionReused || len(out.Messages) != len(first.Messages) {
-			t.Fatalf("action %q", out.Action)
-		}
-		if out.Context.Tokens != fakeEstimate(first.Messages).Tokens {
-			t.Errorf("context %d is not the re-applied view's", out.Context.Tokens)
-		}
-	})
 	t.Run("max_tokens shrinks the budget, capped at a quarter of the window", func(t *testing.T) {
 		for _, tc := range []struct{ window, maxTokens, budget int }{
 			{20000, 3000, 17000},
 			{20000, 15000, 15000},
 			{32768, 32000, 24576},
 		} {
-			out := newDriver(baseConfig(), nil, nil).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
+			out := newDriver(baseConfig(), nil, nil).Compact(context.Background(), compaction.Input{Messages: msgs, Chain: chainOf(t, msgs),
 				Window: tc.window, MaxTokens: tc.maxTokens, Estimate: fakeEstimate})
 			room := float64(tc.budget - out.Fixed)
 			if out.Fixed <= 0 || out.Budget != tc.budget || out.Trigger != out.Fixed+int(room*0.8) || out.Target != out.Fixed+int(room*0.6) {
@@ -663,156 +513,13 @@ func TestNoCompaction(t *testing.T) {
 func TestSummaryKeyedByHead(t *testing.T) {
 	e := newDriver(baseConfig(), okSummarizer(), newClock())
 	msgs := parse(t, verbatimTailConv(false))
-	first := e.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 3500, Estimate: fakeEstimate})
+	first := e.Compact(context.Background(), compaction.Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 3500, Estimate: fakeEstimate})
 	edited := verbatimTailConv(false)
 	edited[1] = userMsg("a different ask")
 	msgs2 := parse(t, edited)
-	out := e.Compact(context.Background(), Input{Messages: msgs2, Chain: chainOf(t, msgs2), State: first.State, Window: 100000, Estimate: fakeEstimate})
-	if out.Action != ActionNone || len(out.Messages) != len(msgs2) {
+	out := e.Compact(context.Background(), compaction.Input{Messages: msgs2, Chain: chainOf(t, msgs2), State: first.State, Window: 100000, Estimate: fakeEstimate})
+	if out.Action != compaction.ActionNone || len(out.Messages) != len(msgs2) {
 		t.Fatalf("action %q: a summary applied to another head", out.Action)
-	}
-}
-
-func TestAddAnchor(t *testing.T) {
-	var s State
-	for i := 1; i <= 6; i++ {
-		s.AddAnchor(anchor.Anchor{PrefixLen: i, Input: i * 10})
-	}
-	s.AddAnchor(anchor.Anchor{PrefixLen: 4, Input: 99}) // same prefix: replaced, moved first
-	var got []int
-	for _, a := range s.Anchors {
-		got = append(got, a.PrefixLen)
-	}
-	if fmt.Sprint(got) != "[4 6 5 3]" || s.Anchors[0].Input != 99 {
-		t.Fatalf("anchors %v", got)
-	}
-}
-
-func TestExcerpt(t *testing.T) {
-	text := strings.Repeat("é", 20000) // 2-byte runes: cuts land on rune boundaries
-	out, ok := excerpt(text, 3000)
-	if !ok || !strings.Contains(out, "[... 18,500 characters elided by compactproxy ...]") {
-		t.Fatalf("%v %q", ok, out[1990:2080])
-	}
-	if !strings.HasPrefix(out, "éé") || !strings.HasSuffix(out, "éé") || strings.ContainsRune(out, '\uFFFD') {
-		t.Fatal("bad cut")
-	}
-	if _, ok := excerpt("short", 3000); ok {
-		t.Fatal("short text excerpted")
-	}
-	for n, want := range map[int]string{0: "0", 999: "999", 1000: "1,000", 12345: "12,345", 1234567: "1,234,567"} {
-		if got := groupThousands(n); got != want {
-			t.Errorf("groupThousands(%d) = %q", n, got)
-		}
-	}
-}
-
-// Tool results with image parts are never excerpted; text-part arrays are.
-func TestTrimmable(t *testing.T) {
-	long := blob("x", 8000)
-	msgs := parse(t, []msg{
-		{"role": "tool", "tool_call_id": "a", "content": []any{map[string]any{"type": "text", "text": long}}},
-		{"role": "tool", "tool_call_id": "b", "content": []any{map[string]any{"type": "text", "text": long},
-			map[string]any{"type": "image_url", "image_url": map[string]any{"url": "data:image/png;base64,AAAA"}}}},
-		{"role": "user", "content": long},
-	})
-	if m, ok := trimmed(msgs[0], 2048); !ok || m.ContentIsString || m.Content[0] != '[' || m.TextBytes > 2200 || m.ToolCallID != "a" ||
-		!strings.Contains(chat.Text(m), "characters elided") {
-		t.Errorf("text parts not excerpted as a part array: %v string=%v %d", ok, m.ContentIsString, m.TextBytes)
-	}
-	if _, ok := trimmed(msgs[1], 2048); ok {
-		t.Error("a result with an image was excerpted")
-	}
-	if _, ok := trimmed(msgs[2], 2048); ok {
-		t.Error("a user message was excerpted")
-	}
-}
-
-// excerptJSON works on the JSON literal: its head and tail are the
-// decoded text's, and the marker counts exactly the characters in between.
-func TestExcerptJSON(t *testing.T) {
-	var texts []string
-	for i := 0; i < 50; i++ {
-		var b strings.Builder
-		for j := 0; b.Len() < 3000+i*397; j++ {
-			switch (i + j) % 7 {
-			case 0:
-				b.WriteString("line with \"quotes\" and \\backslashes\\\n")
-			case 1:
-				b.WriteString("héllo wörld ✓ 😀 ")
-			case 2:
-				b.WriteString("\t<tag attr='x'>&amp;</tag>\x01\n")
-			default:
-				fmt.Fprintf(&b, "plain %d ", j)
-			}
-		}
-		texts = append(texts, b.String())
-	}
-	for k, text := range texts {
-		lit, _ := json.Marshal(text)
-		if k%2 == 1 { // escape everything non-ASCII as \uXXXX (surrogate pairs for emoji)
-			lit = asciiJSON(text)
-			var back string
-			if err := json.Unmarshal(lit, &back); err != nil || back != text {
-				t.Fatalf("bad literal: %v", err)
-			}
-		}
-		out, ok := excerptJSON(lit, 1500)
-		if !ok {
-			t.Fatalf("text %d not excerpted", k)
-		}
-		i := strings.Index(out, "\n[... ")
-		j := strings.Index(out, " characters elided by compactproxy ...]\n")
-		head, tail := out[:i], out[j+len(" characters elided by compactproxy ...]\n"):]
-		if !strings.HasPrefix(text, head) || !strings.HasSuffix(text, tail) || !utf8.ValidString(out) {
-			t.Fatalf("text %d: head/tail are not the text's", k)
-		}
-		n, _ := strconv.Atoi(strings.ReplaceAll(out[i+len("\n[... "):j], ",", ""))
-		if want := utf8.RuneCountInString(text) - utf8.RuneCountInString(head) - utf8.RuneCountInString(tail); n != want {
-			t.Fatalf("text %d: marker says %d characters, %d were elided", k, n, want)
-		}
-		if len(out) > 1500+200 {
-			t.Fatalf("text %d: excerpt %d bytes", k, len(out))
-		}
-	}
-}
-
-// asciiJSON encodes s as a JSON string with every non-ASCII character
-// escaped (surrogate pairs beyond the BMP), as some clients send.
-func asciiJSON(s string) []byte {
-	b := []byte{'"'}
-	for _, r := range s {
-		switch {
-		case r == '"' || r == '\\':
-			b = append(b, '\\', byte(r))
-		case r == '\n':
-			b = append(b, `\n`...)
-		case r < 0x20 || r > 0x7e:
-			if r > 0xffff {
-				r1, r2 := utf16.EncodeRune(r)
-				b = fmt.Appendf(b, `\u%04x\u%04x`, r1, r2)
-			} else {
-				b = fmt.Appendf(b, `\u%04x`, r)
-			}
-		default:
-			b = append(b, byte(r))
-		}
-	}
-	return append(b, '"')
-}
-
-func TestUnescape(t *testing.T) {
-	for _, lit := range []string{
-		`"plain"`, `"a\nb\tc\"d\\e\/f\b\f\r"`, `"\u00e9\u2713\ud83d\ude00"`, `"lone \ud800 high"`, `"lone \ude00 low"`,
-		`"\ud800\u0041"`, `"end \ud83d"`, string(asciiJSON("héllo 😀 \x01 \"q\"\n")),
-	} {
-		var want string
-		if err := json.Unmarshal([]byte(lit), &want); err != nil {
-			t.Fatalf("%s: %v", lit, err)
-		}
-		if got := chat.Unescape([]byte(lit[1 : len(lit)-1])); got != want {
-			t.Errorf("unescape(%s) = %q, want %q", lit, got, want)
-		}
 	}
 }
 
@@ -823,7 +530,7 @@ func TestSummaryReplacesTrims(t *testing.T) {
 	msgs := parse(t, agentSteps(12, 6000))
 	out := s.step(msgs)
 	checkView(t, msgs, out)
-	if out.Action != ActionSummarized || fmt.Sprint(out.Events.NewActions) != "[summarized]" {
+	if out.Action != compaction.ActionSummarized || fmt.Sprint(out.Events.NewActions) != "[summarized]" {
 		t.Fatalf("action %q new %v", out.Action, out.Events.NewActions)
 	}
 	if len(out.State.Trims) != 0 || out.Forwarded >= out.Target {
@@ -844,10 +551,10 @@ func TestParallelFinalResultsStayVerbatim(t *testing.T) {
 	msgs := parse(t, conv)
 	out := s.step(msgs)
 	checkView(t, msgs, out)
-	if out.Action == ActionNone {
+	if out.Action == compaction.ActionNone {
 		t.Fatalf("no compaction at %d tokens (target %d, budget %d)", out.Context.Tokens, out.Target, out.Budget)
 	}
-	if out.Forwarded > out.Budget || slices.Contains(out.Events.NewActions, ActionDropped) {
+	if out.Forwarded > out.Budget || slices.Contains(out.Events.NewActions, compaction.ActionDropped) {
 		t.Fatalf("forwarded %d of budget %d, actions %v", out.Forwarded, out.Budget, out.Events.NewActions)
 	}
 	if k := verbatimTail(msgs, out.Messages); k < 3 {

@@ -1,7 +1,8 @@
-package compaction
+package driver
 
 import (
 	"context"
+	"github.com/compactproxy/compactproxy/internal/compaction"
 	"testing"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
@@ -39,7 +40,7 @@ func anchorEstimate(view []chat.Message) anchor.Estimate {
 
 var benchEstimators = []struct {
 	name string
-	est  Estimator
+	est  compaction.Estimator
 }{{"fake", fakeEstimate}, {"anchor", anchorEstimate}}
 
 // BenchmarkCompactTrimPath: a 1 MiB conversation over the trigger that
@@ -51,9 +52,9 @@ func BenchmarkCompactTrimPath(b *testing.B) {
 		b.Run(be.name, func(b *testing.B) {
 			e := newDriver(baseConfig(), okSummarizer(), newClock())
 			// budget 300k tokens (trigger 240k, target 180k); the view is ≈ 262k (fake).
-			in := Input{Messages: msgs, Chain: chain, Window: 300000, Estimate: be.est}
+			in := compaction.Input{Messages: msgs, Chain: chain, Window: 300000, Estimate: be.est}
 			out := e.Compact(context.Background(), in)
-			if out.Action != ActionTrimmed || out.Forwarded >= out.Target {
+			if out.Action != compaction.ActionTrimmed || out.Forwarded >= out.Target {
 				b.Fatalf("action %q forwarded %d target %d context %d", out.Action, out.Forwarded, out.Target, out.Context.Tokens)
 			}
 			b.ReportAllocs()
@@ -73,9 +74,9 @@ func BenchmarkCompactReapplied(b *testing.B) {
 	for _, be := range benchEstimators {
 		b.Run(be.name, func(b *testing.B) {
 			e := newDriver(baseConfig(), okSummarizer(), newClock())
-			in := Input{Messages: msgs, Chain: chain, Window: 300000, Estimate: be.est}
+			in := compaction.Input{Messages: msgs, Chain: chain, Window: 300000, Estimate: be.est}
 			in.State = e.Compact(context.Background(), in).State
-			if out := e.Compact(context.Background(), in); out.Action != ActionTrimmed || len(out.Events.NewActions) != 0 {
+			if out := e.Compact(context.Background(), in); out.Action != compaction.ActionTrimmed || len(out.Events.NewActions) != 0 {
 				b.Fatalf("action %q new %v", out.Action, out.Events.NewActions)
 			}
 			b.ReportAllocs()
@@ -95,8 +96,8 @@ func BenchmarkCompactBelowTrigger(b *testing.B) {
 	for _, be := range benchEstimators {
 		b.Run(be.name, func(b *testing.B) {
 			e := newDriver(baseConfig(), okSummarizer(), newClock())
-			in := Input{Messages: msgs, Chain: chain, Window: 2000000, Estimate: be.est}
-			if out := e.Compact(context.Background(), in); out.Action != ActionNone {
+			in := compaction.Input{Messages: msgs, Chain: chain, Window: 2000000, Estimate: be.est}
+			if out := e.Compact(context.Background(), in); out.Action != compaction.ActionNone {
 				b.Fatalf("action %q", out.Action)
 			}
 			b.ReportAllocs()
@@ -117,9 +118,9 @@ func BenchmarkCompactMaskPath(b *testing.B) {
 	cfg := baseConfig()
 	cfg.Dedupe, cfg.Mask = true, true
 	e := newDriver(cfg, okSummarizer(), newClock())
-	in := Input{Messages: msgs, Chain: chain, Window: 300000, Estimate: fakeEstimate}
+	in := compaction.Input{Messages: msgs, Chain: chain, Window: 300000, Estimate: fakeEstimate}
 	first := e.Compact(context.Background(), in)
-	if first.Action != ActionMasked || first.Forwarded >= first.Target {
+	if first.Action != compaction.ActionMasked || first.Forwarded >= first.Target {
 		b.Fatalf("action %q forwarded %d target %d", first.Action, first.Forwarded, first.Target)
 	}
 	b.Run("decide", func(b *testing.B) {

@@ -1,7 +1,8 @@
-package compaction
+package driver
 
 import (
 	"context"
+	"github.com/compactproxy/compactproxy/internal/compaction"
 	"strings"
 	"testing"
 
@@ -29,15 +30,15 @@ func TestReappliedSummaryJoinsARewind(t *testing.T) {
 	cfg := baseConfig()
 	e := newDriver(cfg, okSummarizer(), nil)
 	msgs := parse(t, agentSteps(12, 1500))
-	first := e.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 3500, Estimate: fakeEstimate})
-	if first.Action != ActionSummarized || first.State.Summary == nil {
+	first := e.Compact(context.Background(), compaction.Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 3500, Estimate: fakeEstimate})
+	if first.Action != compaction.ActionSummarized || first.State.Summary == nil {
 		t.Fatalf("setup: action %q, want a summary", first.Action)
 	}
 	cut := first.State.Summary.Cut
 	rewound := append(agentSteps(12, 1500)[:cut:cut], userMsg("stop; revert the last change and run the tests instead"))
 	view := parse(t, rewound)
-	out := e.Compact(context.Background(), Input{Messages: view, Chain: chainOf(t, view), State: first.State, Window: 3500, Estimate: fakeEstimate})
-	if out.Action != ActionReused {
+	out := e.Compact(context.Background(), compaction.Input{Messages: view, Chain: chainOf(t, view), State: first.State, Window: 3500, Estimate: fakeEstimate})
+	if out.Action != compaction.ActionReused {
 		t.Fatalf("rewound request: action %q, want the summary reused", out.Action)
 	}
 	if i := alternates(out.Messages); i >= 0 {
@@ -76,9 +77,9 @@ func TestAskIncludesAnInstructionWithAnImage(t *testing.T) {
 	}
 	msgs := parse(t, conv)
 	e := newDriver(baseConfig(), okSummarizer(), nil)
-	out := e.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 3500, Estimate: fakeEstimate})
+	out := e.Compact(context.Background(), compaction.Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 3500, Estimate: fakeEstimate})
 	checkView(t, msgs, out)
-	if out.Action != ActionSummarized || out.State.Summary == nil || out.State.Summary.Cut <= 10 {
+	if out.Action != compaction.ActionSummarized || out.State.Summary == nil || out.State.Summary.Cut <= 10 {
 		t.Fatalf("setup: action %q, summary %+v: want a summary whose head holds the screenshot", out.Action, out.State.Summary)
 	}
 	if count(out.Messages, msgs[10].Raw) != 1 {

@@ -1,9 +1,10 @@
-package compaction
+package driver
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/compactproxy/compactproxy/internal/compaction"
 	"math"
 	"slices"
 	"strings"
@@ -14,11 +15,15 @@ import (
 	"github.com/compactproxy/compactproxy/internal/chat"
 )
 
+// summaryLabel opens the summary message the planner writes (as
+// internal/compaction's view.go spells it).
+const summaryLabel = "[Summary of the earlier conversation (compactproxy); the latest messages follow verbatim.]\n\n"
+
 // defaultConfig is compactproxy's configuration defaults as the proxy
 // hands them to the planner (internal/config), not a tuned profile.
-func defaultConfig() Config {
-	return Config{
-		TriggerRatio: 0.8, TargetRatio: 0.6, ReserveTokens: 4096, KeepTail: 3, TailRatio: DefaultTailRatio,
+func defaultConfig() compaction.Config {
+	return compaction.Config{
+		TriggerRatio: 0.8, TargetRatio: 0.6, ReserveTokens: 4096, KeepTail: 3, TailRatio: compaction.DefaultTailRatio,
 		LatchGrowth: 20, TrimToolResultTokens: 1024, MinInterval: time.Minute,
 		SummarizerEnabled: true, SummaryTokens: 1024, SummaryMinTokens: 256,
 	}
@@ -30,7 +35,7 @@ func defaultConfig() Config {
 // between steps. It returns the steps that made a new summary and the
 // forwarded estimate right after each, and fails on a drop or a view over
 // the budget.
-func pacedLoop(t *testing.T, window, steps, size int) (summarized []int, after []Output) {
+func pacedLoop(t *testing.T, window, steps, size int) (summarized []int, after []compaction.Output) {
 	t.Helper()
 	sum := sizedSummarizer(4)
 	clock := newClock()
@@ -42,7 +47,7 @@ func pacedLoop(t *testing.T, window, steps, size int) (summarized []int, after [
 		msgs := parse(t, conv)
 		out := s.step(msgs)
 		checkView(t, msgs, out)
-		if slices.Contains(out.Events.NewActions, ActionDropped) {
+		if slices.Contains(out.Events.NewActions, compaction.ActionDropped) {
 			t.Fatalf("step %d: dropped while the summarizer works", i)
 		}
 		if out.Forwarded > out.Budget {
@@ -114,7 +119,7 @@ func TestSummaryLimitBoundedByWhatItFolds(t *testing.T) {
 	conv = append(conv, callMsg("", `big:read:{}`), toolMsg("big", blob("big", 4000)))
 	msgs := parse(t, conv)
 	sum := sizedSummarizer(4)
-	out := newDriver(cfg, sum, nil).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
+	out := newDriver(cfg, sum, nil).Compact(context.Background(), compaction.Input{Messages: msgs, Chain: chainOf(t, msgs),
 		Window: 2300, Estimate: fakeEstimate})
 	if sum.Calls() != 1 {
 		t.Fatalf("setup: %d summarize calls (action %q), want 1", sum.Calls(), out.Action)
@@ -125,7 +130,7 @@ func TestSummaryLimitBoundedByWhatItFolds(t *testing.T) {
 	if req.MaxTokens > head/2+1 {
 		t.Errorf("the summary was asked for %d tokens to fold a head of %d", req.MaxTokens, head)
 	}
-	if out.Action != ActionSummarized || out.State.Latched {
+	if out.Action != compaction.ActionSummarized || out.State.Latched {
 		t.Fatalf("a summary written to its limit: action %q, latched %v, error %v", out.Action, out.State.Latched, out.Events.SummaryError)
 	}
 
@@ -139,9 +144,9 @@ func TestSummaryLimitBoundedByWhatItFolds(t *testing.T) {
 		big.mu.Unlock()
 		return blob("s", 40*limit), nil
 	}
-	out = newDriver(cfg, big, nil).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
+	out = newDriver(cfg, big, nil).Compact(context.Background(), compaction.Input{Messages: msgs, Chain: chainOf(t, msgs),
 		Window: 2300, Estimate: fakeEstimate})
-	if !errors.Is(out.Events.SummaryError, ErrSummaryNotSmaller) || !out.State.Latched {
+	if !errors.Is(out.Events.SummaryError, compaction.ErrSummaryNotSmaller) || !out.State.Latched {
 		t.Fatalf("a summary ten times over its limit: error %v, latched %v", out.Events.SummaryError, out.State.Latched)
 	}
 }
@@ -210,7 +215,7 @@ func TestLastResortNeverForwardsOverTheWindow(t *testing.T) {
 	// smallest view is forwarded, and said.
 	conv = []msg{sysMsg("You are a coding agent."), userMsg(blob("task", 3000)), callMsg("", `h:read:{}`), toolMsg("h", blob("h", 4000))}
 	msgs = parse(t, conv)
-	out = newDriver(cfg, sizedSummarizer(4), nil).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
+	out = newDriver(cfg, sizedSummarizer(4), nil).Compact(context.Background(), compaction.Input{Messages: msgs, Chain: chainOf(t, msgs),
 		Window: 600, Estimate: fakeEstimate})
 	if !out.Events.Impossible || out.Forwarded <= 600 {
 		t.Fatalf("a task over the window: forwarded %d, impossible %v", out.Forwarded, out.Events.Impossible)
@@ -235,7 +240,7 @@ func TestFixedPartOverBudgetStillFitsTheWindow(t *testing.T) {
 	}
 	msgs := parse(t, conv)
 	const window = 12288 // budget 9,216: under the fixed part
-	out := newDriver(cfg, sizedSummarizer(4), nil).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
+	out := newDriver(cfg, sizedSummarizer(4), nil).Compact(context.Background(), compaction.Input{Messages: msgs, Chain: chainOf(t, msgs),
 		Window: window, Estimate: fakeEstimate})
 	checkView(t, msgs, out)
 	if out.Fixed < out.Budget || fakeEstimate(msgs).Tokens <= window {
@@ -246,60 +251,6 @@ func TestFixedPartOverBudgetStillFitsTheWindow(t *testing.T) {
 	}
 	if got := fakeEstimate(out.Messages).Tokens; got > window {
 		t.Fatalf("forwarded %d tokens over the window %d while a smaller view exists (%s)", got, window, roles(out.Messages))
-	}
-}
-
-// TestFoldsTheTurnBeforeTheFloorRatherThanDrop sweeps the size of the
-// fixed part under qwen-code's third request at 16k (test/agent): the task
-// as the only user message (the ask, re-inserted after a summary), a
-// listing and a read, keep_tail's floor reaching back to the listing. Where
-// a summary fits beside the floor, no size may answer with a drop (DESIGN:
-// a drop is never chosen while a summary fits). The real-agent case
-// qwen-code/16k is the one that failed before the fix (a cut at the floor
-// folded only the task it re-inserts); this sweep guards the planner's side.
-func TestFoldsTheTurnBeforeTheFloorRatherThanDrop(t *testing.T) {
-	cfg := defaultConfig()
-	build := func(system int) []chat.Message {
-		return parse(t, []msg{
-			sysMsg(blob("system prompt and tools", system)), // ~10,900 tokens
-			userMsg(blob("environment and task", 2560)),     // ~640
-			// The listing's turn: the model's reasoning, then a listing
-			// that an excerpt shortens, not enough.
-			callMsg(blob("reasoning", 1500), `ls:run_shell_command:{"command":"ls -R"}`), toolMsg("ls", blob("listing", 3480)),
-			callMsg("", `r1:read_file:{"file_path":"/p/a.go"}`), toolMsg("r1", blob("a.go", 2000)),
-		})
-	}
-	// The upstream measured the view at 3 bytes a token (the agent test's
-	// mock), a third more than the estimate.
-	plan := func(msgs []chat.Message, sum summarizer) Output {
-		return newDriver(cfg, sum, nil).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
-			Window: 16384, MaxTokens: 32000, Estimate: fakeEstimate, Measured: fakeEstimate(msgs).Tokens * 4 / 3})
-	}
-	// Every size of the fixed part under the budget, from a view that
-	// fits to one whose floor alone does not.
-	summarized := 0
-	for n := 28000; n < 40000; n += 40 {
-		msgs := build(n)
-		out := plan(msgs, okSummarizer())
-		if out.Fixed >= out.Budget {
-			break
-		}
-		checkView(t, msgs, out)
-		// A summary fits where the dropped view leaves it its least room
-		// (summary_min_tokens) and its label.
-		if out.Action == ActionDropped && fakeEstimate(out.Messages).Tokens*4/3+cfg.SummaryMinTokens+80 <= out.Budget {
-			t.Fatalf("system prompt of %d bytes: dropped while a summary of the listing's turn fits (fixed %d, budget %d): %s",
-				n, out.Fixed, out.Budget, roles(out.Messages))
-		}
-		if out.Action == ActionSummarized {
-			summarized++
-			if count(out.Messages, msgs[1].Raw) != 1 || verbatimTail(msgs, out.Messages) < 2 {
-				t.Fatalf("system prompt of %d bytes: the task (re-inserted) and the final turn must stay verbatim: %s", n, roles(out.Messages))
-			}
-		}
-	}
-	if summarized == 0 {
-		t.Fatal("setup: no size summarized")
 	}
 }
 
@@ -321,9 +272,9 @@ func TestSummaryLimitShareOfTheRoom(t *testing.T) {
 		msgs := parse(t, conv)
 		sum := sizedSummarizer(4)
 		c := struct{ window int }{window}
-		out := newDriver(cfg, sum, nil).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
+		out := newDriver(cfg, sum, nil).Compact(context.Background(), compaction.Input{Messages: msgs, Chain: chainOf(t, msgs),
 			Window: c.window, Estimate: fakeEstimate, SummaryInUpstreamTokens: true})
-		if sum.Calls() != 1 || out.Action != ActionSummarized {
+		if sum.Calls() != 1 || out.Action != compaction.ActionSummarized {
 			t.Fatalf("window %d, setup: %d summarize calls, action %q", c.window, sum.Calls(), out.Action)
 		}
 		room := out.Budget - out.Fixed
@@ -355,22 +306,22 @@ func TestReadyBackgroundSummaryBeforeTrim(t *testing.T) {
 		add(i, 1400)
 	}
 	d := newDriver(cfg, sizedSummarizer(4), nil)
-	var st State
+	var st compaction.State
 	for i := 12; ; i++ {
 		msgs := parse(t, conv)
-		out := d.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 32768, State: st,
+		out := d.Compact(context.Background(), compaction.Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 32768, State: st,
 			Estimate: fakeEstimate, SummaryInUpstreamTokens: true})
 		if out.StateChanged {
 			st = out.State
 		}
-		if out.Action != ActionNone {
-			if st.Pending != nil || out.Action != ActionReused {
+		if out.Action != compaction.ActionNone {
+			if st.Pending != nil || out.Action != compaction.ActionReused {
 				t.Fatalf("step %d crossed the trigger (%d of %d) with a background summary ready: action %q, want reused", i, out.Context.Tokens, out.Trigger, out.Action)
 			}
 			return
 		}
-		bg := d.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 32768, State: st,
-			Estimate: fakeEstimate, SummaryInUpstreamTokens: true, Pass: PassBackground})
+		bg := d.Compact(context.Background(), compaction.Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 32768, State: st,
+			Estimate: fakeEstimate, SummaryInUpstreamTokens: true, Pass: compaction.PassBackground})
 		if bg.StateChanged {
 			st = bg.State
 		}
@@ -402,13 +353,13 @@ func TestOversizedNewSummaryGivesWayBeforeTurns(t *testing.T) {
 		conv = append(conv, callMsg("", id+`:read:{}`), toolMsg(id, blob(id, 600)))
 	}
 	msgs := parse(t, conv)
-	out := newDriver(cfg, long, nil).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
+	out := newDriver(cfg, long, nil).Compact(context.Background(), compaction.Input{Messages: msgs, Chain: chainOf(t, msgs),
 		Window: 2048, Estimate: fakeEstimate})
 	checkView(t, msgs, out)
 	if !out.Events.SummarizeOK {
 		t.Fatalf("setup: the summary was not taken (%v): action %q", out.Events.SummaryError, out.Action)
 	}
-	if slices.Contains(out.Events.NewActions, ActionDropped) {
+	if slices.Contains(out.Events.NewActions, compaction.ActionDropped) {
 		t.Fatalf("dropped the client's turns (%s) while the new summary could give way", roles(out.Messages))
 	}
 	if got := fakeEstimate(out.Messages).Tokens; got > out.Budget {
@@ -453,7 +404,7 @@ func TestRefoldsASmallSummaryRatherThanDrop(t *testing.T) {
 	msgs := parse(t, conv)
 	out := s.step(msgs)
 	checkView(t, msgs, out)
-	if slices.Contains(out.Events.NewActions, ActionDropped) {
+	if slices.Contains(out.Events.NewActions, compaction.ActionDropped) {
 		t.Fatalf("dropped the client's turns (%s) while a summary no larger than the one in place could fold them", roles(out.Messages))
 	}
 	if !out.Events.SummarizeOK {
@@ -471,9 +422,9 @@ type readLoop struct {
 	t     *testing.T
 	conv  []msg
 	sum   *fakeSummarizer
-	d     *driver
+	d     *rig
 	clock *fakeClock
-	st    State
+	st    compaction.State
 	win   int
 }
 
@@ -491,9 +442,9 @@ func (l *readLoop) read(i, size int) {
 }
 
 // step plans the conversation as it stands.
-func (l *readLoop) step(pass Pass) Output {
+func (l *readLoop) step(pass compaction.Pass) compaction.Output {
 	msgs := parse(l.t, l.conv)
-	out := l.d.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(l.t, msgs), Window: l.win, State: l.st,
+	out := l.d.Compact(context.Background(), compaction.Input{Messages: msgs, Chain: chainOf(l.t, msgs), Window: l.win, State: l.st,
 		Estimate: fakeEstimate, SummaryInUpstreamTokens: true, Pass: pass, Now: l.clock.Now()})
 	if out.StateChanged {
 		l.st = out.State
@@ -516,29 +467,29 @@ func TestReadyBackgroundSummaryOverTheTargetGivesWay(t *testing.T) {
 	// (presummarize_ratio), which keeps that read in its tail.
 	for i := 0; ; i++ {
 		l.read(i, 1200)
-		out := l.step(PassForward)
+		out := l.step(compaction.PassForward)
 		if out.Context.Tokens >= out.Fixed+(out.Budget-out.Fixed)*45/100 {
 			break
 		}
 	}
 	l.read(50, 7200)
-	if out := l.step(PassForward); out.Action != ActionNone || out.Context.Tokens < out.Fixed+(out.Budget-out.Fixed)*7/10 {
+	if out := l.step(compaction.PassForward); out.Action != compaction.ActionNone || out.Context.Tokens < out.Fixed+(out.Budget-out.Fixed)*7/10 {
 		t.Fatalf("setup: the large read gave action %q at %d (trigger %d)", out.Action, out.Context.Tokens, out.Trigger)
 	}
-	l.step(PassBackground)
+	l.step(compaction.PassBackground)
 	if l.st.Pending == nil {
 		t.Fatal("setup: no background summary")
 	}
 	// The next request: a turn of two such reads.
 	calls := l.sum.Calls()
 	l.conv = append(l.conv, callMsg("", `p1:read:{}`, `p2:read:{}`), toolMsg("p1", blob("p1", 3600)), toolMsg("p2", blob("p2", 3600)))
-	out := l.step(PassForward)
+	out := l.step(compaction.PassForward)
 	checkView(t, parse(t, l.conv), out)
 	if out.Forwarded > out.Target {
 		t.Fatalf("action %q: the view landed at %d, over the target %d (trigger %d): the next request summarizes again",
 			out.Action, out.Forwarded, out.Target, out.Trigger)
 	}
-	if out.Action != ActionSummarized || l.sum.Calls() != calls+1 {
+	if out.Action != compaction.ActionSummarized || l.sum.Calls() != calls+1 {
 		t.Fatalf("action %q after %d calls, want one new summary (view %d, target %d)", out.Action, l.sum.Calls()-calls, out.Forwarded, out.Target)
 	}
 }
@@ -552,13 +503,13 @@ func TestReadyBackgroundSummaryOverTheTargetGivesWay(t *testing.T) {
 func TestNoBackgroundSummaryRightAfterASummary(t *testing.T) {
 	l := newReadLoop(t, 8192)
 	// Request-path summaries only (no background pass) until one is made.
-	var last Output
+	var last compaction.Output
 	for i := 0; ; i++ {
 		if i > 60 {
 			t.Fatal("setup: no summary")
 		}
 		l.read(i, 4000)
-		if last = l.step(PassForward); last.Action == ActionSummarized {
+		if last = l.step(compaction.PassForward); last.Action == compaction.ActionSummarized {
 			if last.Forwarded > last.Target {
 				t.Fatalf("setup: the summary landed at %d, over the target %d", last.Forwarded, last.Target)
 			}
@@ -568,12 +519,12 @@ func TestNoBackgroundSummaryRightAfterASummary(t *testing.T) {
 	// A large read: the view reaches presummarize_ratio, under the trigger.
 	pre := last.Fixed + (last.Budget-last.Fixed)*7/10
 	l.read(100, 4*((pre+last.Trigger)/2-last.Forwarded))
-	out := l.step(PassForward)
+	out := l.step(compaction.PassForward)
 	if out.Events.SummarizeCalled || out.Forwarded < pre || out.Forwarded >= out.Trigger {
 		t.Fatalf("setup: the large read gave action %q at %d (presummarize from %d, trigger %d)", out.Action, out.Forwarded, pre, out.Trigger)
 	}
 	calls := l.sum.Calls()
-	l.step(PassBackground)
+	l.step(compaction.PassBackground)
 	if l.sum.Calls() != calls || l.st.Pending != nil {
 		t.Fatalf("a background summary on the step right after a summary (%d calls)", l.sum.Calls()-calls)
 	}
@@ -582,10 +533,10 @@ func TestNoBackgroundSummaryRightAfterASummary(t *testing.T) {
 	// later the background pass makes it.
 	for i, want := range []int{0, 1} {
 		l.read(101+i, 200)
-		if out := l.step(PassForward); out.Events.SummarizeCalled || out.Forwarded >= out.Trigger {
+		if out := l.step(compaction.PassForward); out.Events.SummarizeCalled || out.Forwarded >= out.Trigger {
 			t.Fatalf("setup: step %d after gave action %q at %d (trigger %d)", i+2, out.Action, out.Forwarded, out.Trigger)
 		}
-		l.step(PassBackground)
+		l.step(compaction.PassBackground)
 		if l.sum.Calls() != calls+want || (l.st.Pending != nil) != (want == 1) {
 			t.Fatalf("step %d after the summary: %d background calls, want %d", i+2, l.sum.Calls()-calls, want)
 		}
@@ -638,14 +589,14 @@ func TestFreshViewEstimatedFromTheAnchoredView(t *testing.T) {
 	sum, clock := sizedSummarizer(4), newClock()
 	d := newDriver(defaultConfig(), sum, clock)
 	conv := []msg{sysMsg(blob("system", 300)), userMsg(ask)}
-	var st State
+	var st compaction.State
 	var errs []float64
 	for i := 0; i < 40; i++ {
 		id := fmt.Sprintf("r%d", i)
 		conv = append(conv, callMsg("", id+`:read:{}`), toolMsg(id, blob(id, 80+(i*77)%160)))
 		msgs := parse(t, conv)
 		st.Anchors = anchors // the proxy hands the conversation's anchors with the state
-		out := d.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 2048, State: st,
+		out := d.Compact(context.Background(), compaction.Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 2048, State: st,
 			Estimate: estimate, SummaryInUpstreamTokens: true, Now: clock.Now()})
 		if out.StateChanged {
 			st = out.State
@@ -663,7 +614,7 @@ func TestFreshViewEstimatedFromTheAnchoredView(t *testing.T) {
 			if len(anchors) > 0 {
 				a = anchor.Extend(anchors[0], a, chain)
 			}
-			anchors = MergeAnchor(anchors, a)
+			anchors = compaction.MergeAnchor(anchors, a)
 		}
 		clock.Add(time.Minute)
 	}

@@ -1,8 +1,9 @@
-package compaction
+package driver
 
 import (
 	"context"
 	"fmt"
+	"github.com/compactproxy/compactproxy/internal/compaction"
 	"math/rand"
 	"slices"
 	"strings"
@@ -112,24 +113,20 @@ func checkProperties(t *testing.T, seed int64, keepTail, mode int) {
 		cfg.SummarizerEnabled = false
 	}
 	clock := newClock()
-	var s summarizer
-	if sum != nil {
-		s = sum
-	}
-	e := newDriver(cfg, s, clock)
+	e := newDriver(cfg, sum, clock)
 
 	all := parse(t, conv)
 	allChain := chainOf(t, all)
 	total := fakeEstimate(all).Tokens
 	window := max(total*(30+r.Intn(90))/100, 600)
-	var st State
-	var prev Output
+	var st compaction.State
+	var prev compaction.Output
 	prevOK := false
 	allowed := map[int]bool{} // client positions a tail over the target let compaction touch
 	for _, n := range requestPoints(conv) {
 		clock.Add(5 * time.Second)
 		msgs := all[:n:n] // a prefix parses to the same messages
-		out := e.Compact(context.Background(), Input{Messages: msgs, Chain: allChain[:n+1], State: st,
+		out := e.Compact(context.Background(), compaction.Input{Messages: msgs, Chain: allChain[:n+1], State: st,
 			Window: window, Estimate: fakeEstimate})
 		where := fmt.Sprintf("seed %d K %d mode %d n %d window %d", seed, keepTail, mode, n, window)
 		if out.Events.InvariantFailure {
@@ -179,7 +176,7 @@ func checkProperties(t *testing.T, seed int64, keepTail, mode int) {
 				break
 			}
 		}
-		if mode != 0 || fakeEstimate(msgs[:lead]).Tokens+fakeEstimate(msgs[tail:]).Tokens+max(cfg.SummaryTokens, DefaultSummaryMinTokens)+len(summaryLabel)/4+askTokens+100 >= out.Target {
+		if mode != 0 || fakeEstimate(msgs[:lead]).Tokens+fakeEstimate(msgs[tail:]).Tokens+max(cfg.SummaryTokens, compaction.DefaultSummaryMinTokens)+len(summaryLabel)/4+askTokens+100 >= out.Target {
 			for i := tail; i < len(msgs); i++ {
 				allowed[i] = true
 			}
@@ -236,7 +233,7 @@ func checkProperties(t *testing.T, seed int64, keepTail, mode int) {
 		if latest >= 0 && msgs[latest].MediaParts == 0 && !hasText(chat.Text(msgs[latest])) {
 			t.Fatalf("%s: the latest instruction (message %d) is not forwarded: %s", where, latest, roles(v))
 		}
-		summarized := out.Action == ActionSummarized || out.Action == ActionReused
+		summarized := out.Action == compaction.ActionSummarized || out.Action == compaction.ActionReused
 		if task >= 0 && !summarized && count(v, msgs[task].Raw) != 1 {
 			t.Fatalf("%s: the task (message %d) is not forwarded verbatim once: %s", where, task, roles(v))
 		}
@@ -244,15 +241,15 @@ func checkProperties(t *testing.T, seed int64, keepTail, mode int) {
 		// with the summary's label and acknowledgement, leaves
 		// summary_min_tokens under the budget.)
 		withoutHead := fakeEstimate(msgs[:lead]).Tokens + fakeEstimate(msgs[tail:]).Tokens + askTokens + len(summaryLabel)/4 + 60
-		fits := tail > lead && withoutHead+DefaultSummaryMinTokens <= out.Budget &&
-			fakeEstimate(msgs[lead:tail]).Tokens >= 2*DefaultSummaryMinTokens
-		if mode == 0 && fits && slices.Contains(out.Events.NewActions, ActionDropped) {
+		fits := tail > lead && withoutHead+compaction.DefaultSummaryMinTokens <= out.Budget &&
+			fakeEstimate(msgs[lead:tail]).Tokens >= 2*compaction.DefaultSummaryMinTokens
+		if mode == 0 && fits && slices.Contains(out.Events.NewActions, compaction.ActionDropped) {
 			t.Fatalf("%s: dropped while the summarizer works (%v)", where, out.Events.NewActions)
 		}
 		// No new compaction: the previous forwarded view is a prefix.
 		fresh := false
 		for _, a := range out.Events.NewActions {
-			fresh = fresh || a != ActionReused
+			fresh = fresh || a != compaction.ActionReused
 		}
 		if prevOK && !fresh && out.Forwarded <= out.Budget {
 			for i := range prev.Messages {

@@ -1,8 +1,9 @@
-package compaction
+package driver
 
 import (
 	"context"
 	"fmt"
+	"github.com/compactproxy/compactproxy/internal/compaction"
 	"slices"
 	"strings"
 	"testing"
@@ -16,7 +17,7 @@ import (
 // summarize call is asked for no more than the room the target leaves.
 func TestSmallWindowSummarizes(t *testing.T) {
 	cfg := baseConfig()
-	cfg.SummaryTokens = DefaultSummaryTokens
+	cfg.SummaryTokens = compaction.DefaultSummaryTokens
 	cfg.ReserveTokens = 4096 // the default: capped at a quarter of the window
 	sum := okSummarizer()
 	s := &session{tb: t, e: newDriver(cfg, sum, newClock()), win: 2048}
@@ -29,7 +30,7 @@ func TestSmallWindowSummarizes(t *testing.T) {
 		if out.Budget != 2048-512 {
 			t.Fatalf("step %d: budget %d, want window − window/4", step, out.Budget)
 		}
-		if slices.Contains(out.Events.NewActions, ActionDropped) {
+		if slices.Contains(out.Events.NewActions, compaction.ActionDropped) {
 			t.Fatalf("step %d: dropped although a summary fits", step)
 		}
 		if got := fakeEstimate(out.Messages).Tokens; got > out.Budget {
@@ -38,8 +39,8 @@ func TestSmallWindowSummarizes(t *testing.T) {
 		if out.Events.SummarizeCalled {
 			summarized++
 			lim := sum.limits[len(sum.limits)-1]
-			if lim < DefaultSummaryMinTokens || lim > out.Target-out.Fixed {
-				t.Fatalf("step %d: summary limit %d outside [%d, room %d]", step, lim, DefaultSummaryMinTokens, out.Target-out.Fixed)
+			if lim < compaction.DefaultSummaryMinTokens || lim > out.Target-out.Fixed {
+				t.Fatalf("step %d: summary limit %d outside [%d, room %d]", step, lim, compaction.DefaultSummaryMinTokens, out.Target-out.Fixed)
 			}
 		}
 		id := fmt.Sprintf("s%d", step)
@@ -141,13 +142,13 @@ func TestFixedPartOverBudget(t *testing.T) {
 	big := agentSteps(3, 300)
 	big[0] = sysMsg(blob("system", 9000))
 	msgs := parse(t, big)
-	out := newDriver(baseConfig(), sum, newClock()).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
+	out := newDriver(baseConfig(), sum, newClock()).Compact(context.Background(), compaction.Input{Messages: msgs, Chain: chainOf(t, msgs),
 		Window: 2000, Estimate: fakeEstimate})
-	if !out.Events.Impossible || out.Action != ActionNone || sum.Calls() != 0 || &out.Messages[0] != &msgs[0] {
+	if !out.Events.Impossible || out.Action != compaction.ActionNone || sum.Calls() != 0 || &out.Messages[0] != &msgs[0] {
 		t.Fatalf("impossible %v action %q calls %d", out.Events.Impossible, out.Action, sum.Calls())
 	}
 	// The same conversation at a window that holds it is not impossible.
-	out = newDriver(baseConfig(), sum, newClock()).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
+	out = newDriver(baseConfig(), sum, newClock()).Compact(context.Background(), compaction.Input{Messages: msgs, Chain: chainOf(t, msgs),
 		Window: 100000, Estimate: fakeEstimate})
 	if out.Events.Impossible {
 		t.Fatal("impossible at a large window")
@@ -163,9 +164,9 @@ func TestTailRatio(t *testing.T) {
 		cfg.TailRatio = ratio
 		sum := okSummarizer()
 		msgs := parse(t, agentSteps(30, 800))
-		out := newDriver(cfg, sum, newClock()).Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs),
+		out := newDriver(cfg, sum, newClock()).Compact(context.Background(), compaction.Input{Messages: msgs, Chain: chainOf(t, msgs),
 			Window: 9000, Estimate: fakeEstimate})
-		if out.Action != ActionSummarized {
+		if out.Action != compaction.ActionSummarized {
 			t.Fatalf("ratio %v: action %q", ratio, out.Action)
 		}
 		st := out.State.Summary
@@ -191,9 +192,9 @@ func TestPresummarize(t *testing.T) {
 	sum := okSummarizer()
 	e := newDriver(baseConfig(), sum, newClock())
 	conv := agentSteps(10, 1500)
-	var st State
-	run := func(msgs []chat.Message, pre bool) Output {
-		out := e.Compact(context.Background(), Input{Messages: msgs, Chain: chainOf(t, msgs), State: st,
+	var st compaction.State
+	run := func(msgs []chat.Message, pre bool) compaction.Output {
+		out := e.Compact(context.Background(), compaction.Input{Messages: msgs, Chain: chainOf(t, msgs), State: st,
 			Window: 10000, Estimate: fakeEstimate, Pass: backgroundIf(pre)})
 		if out.StateChanged {
 			st = out.State
@@ -202,11 +203,11 @@ func TestPresummarize(t *testing.T) {
 	}
 	msgs := parse(t, conv)
 	below := run(msgs, false)
-	if below.Context.Tokens >= below.Trigger || below.Action != ActionNone {
+	if below.Context.Tokens >= below.Trigger || below.Action != compaction.ActionNone {
 		t.Fatalf("setup: %d tokens, trigger %d, action %q", below.Context.Tokens, below.Trigger, below.Action)
 	}
 	bg := run(msgs, true)
-	if sum.Calls() != 1 || st.Pending == nil || st.Summary != nil || &bg.Messages[0] != &msgs[0] || bg.Action != ActionNone {
+	if sum.Calls() != 1 || st.Pending == nil || st.Summary != nil || &bg.Messages[0] != &msgs[0] || bg.Action != compaction.ActionNone {
 		t.Fatalf("background run: calls %d pending %v summary %v action %q", sum.Calls(), st.Pending != nil, st.Summary != nil, bg.Action)
 	}
 	// The background request carries the rest of the view as forwarded
@@ -221,7 +222,7 @@ func TestPresummarize(t *testing.T) {
 		}
 	}
 	// Still below the trigger: the pending summary is not applied.
-	if out := run(msgs, false); out.Action != ActionNone || len(out.Messages) != len(msgs) {
+	if out := run(msgs, false); out.Action != compaction.ActionNone || len(out.Messages) != len(msgs) {
 		t.Fatalf("pending summary applied below the trigger: %q", out.Action)
 	}
 	for i := 0; ; i++ {
@@ -232,7 +233,7 @@ func TestPresummarize(t *testing.T) {
 		if out.Context.Tokens < out.Trigger {
 			continue
 		}
-		if sum.Calls() != 1 || out.Action != ActionReused || out.Forwarded >= out.Target || st.Summary == nil || st.Pending != nil {
+		if sum.Calls() != 1 || out.Action != compaction.ActionReused || out.Forwarded >= out.Target || st.Summary == nil || st.Pending != nil {
 			t.Fatalf("crossing request: calls %d action %q forwarded %d target %d", sum.Calls(), out.Action, out.Forwarded, out.Target)
 		}
 		checkView(t, msgs, out)
@@ -243,7 +244,7 @@ func TestPresummarize(t *testing.T) {
 // floorLoop runs 40 single-read steps of size bytes behind a fixed part of
 // fixed bytes at window win and fails at the first step that drops turns
 // or forwards over the budget; it returns the summarizer.
-func floorLoop(t *testing.T, cfg Config, win, fixed, size int) *fakeSummarizer {
+func floorLoop(t *testing.T, cfg compaction.Config, win, fixed, size int) *fakeSummarizer {
 	t.Helper()
 	cfg.MinInterval = 0
 	cfg.ReserveTokens = 4096
@@ -257,7 +258,7 @@ func floorLoop(t *testing.T, cfg Config, win, fixed, size int) *fakeSummarizer {
 		msgs := parse(t, conv)
 		out := s.step(msgs)
 		checkView(t, msgs, out)
-		if slices.Contains(out.Events.NewActions, ActionDropped) {
+		if slices.Contains(out.Events.NewActions, compaction.ActionDropped) {
 			t.Fatalf("step %d: dropped while the summarizer works and a summary of at most %d tokens fits (forwarded %d, budget %d, %d summaries so far)",
 				step, cfg.SummaryTokens, out.Forwarded, out.Budget, sum.Calls())
 		}
@@ -319,7 +320,7 @@ func TestSummaryMinCappedBySummaryTokens(t *testing.T) {
 
 // smallSummaryConfig is a small window's: summaries of at most 64 tokens,
 // the default summary_min_tokens, reserve capped at a quarter.
-func smallSummaryConfig() Config {
+func smallSummaryConfig() compaction.Config {
 	cfg := baseConfig()
 	cfg.MinInterval = 0
 	cfg.ReserveTokens = 4096
@@ -363,7 +364,7 @@ func TestSummaryBoundByItsLimit(t *testing.T) {
 			msgs := parse(t, conv)
 			out := s.step(msgs)
 			checkView(t, msgs, out)
-			if slices.Contains(out.Events.NewActions, ActionDropped) {
+			if slices.Contains(out.Events.NewActions, compaction.ActionDropped) {
 				drops++
 			}
 			if exact && out.Forwarded > out.Budget {
@@ -408,10 +409,10 @@ func TestFinalTurnOverBudgetSummarizes(t *testing.T) {
 	msgs := parse(t, conv)
 	out := s.step(msgs)
 	checkView(t, msgs, out)
-	if slices.Contains(out.Events.NewActions, ActionDropped) {
+	if slices.Contains(out.Events.NewActions, compaction.ActionDropped) {
 		t.Fatalf("dropped turns while the summarizer works (actions %v, forwarded %d, budget %d)", out.Events.NewActions, out.Forwarded, out.Budget)
 	}
-	if sum.Calls() != calls+1 || out.Action != ActionSummarized {
+	if sum.Calls() != calls+1 || out.Action != compaction.ActionSummarized {
 		t.Fatalf("action %s after %d summarize calls, want a new summary", out.Action, sum.Calls()-calls)
 	}
 	// The final turn stays: its call verbatim, its older result at least
@@ -434,8 +435,8 @@ func TestFinalTurnOverBudgetSummarizes(t *testing.T) {
 func TestBackgroundSummaryCutsForTheNextRequest(t *testing.T) {
 	cfg := baseConfig()
 	ctx := context.Background()
-	input := func(msgs []chat.Message) Input {
-		return Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 10000, Estimate: fakeEstimate}
+	input := func(msgs []chat.Message) compaction.Input {
+		return compaction.Input{Messages: msgs, Chain: chainOf(t, msgs), Window: 10000, Estimate: fakeEstimate}
 	}
 	next := func(c []msg, i int) []msg {
 		id := fmt.Sprintf("p%d", i)
@@ -461,7 +462,7 @@ func TestBackgroundSummaryCutsForTheNextRequest(t *testing.T) {
 	sum := okSummarizer()
 	e := newDriver(cfg, sum, newClock())
 	in := input(parse(t, conv))
-	in.Pass = PassBackground
+	in.Pass = compaction.PassBackground
 	bg := e.Compact(ctx, in)
 	if bg.State.Pending == nil {
 		t.Fatal("no background summary made")
@@ -470,14 +471,14 @@ func TestBackgroundSummaryCutsForTheNextRequest(t *testing.T) {
 	in.State = bg.State
 	applied := e.Compact(ctx, in)
 	checkView(t, crossing, applied)
-	if applied.Action != ActionReused || sum.Calls() != 1 {
+	if applied.Action != compaction.ActionReused || sum.Calls() != 1 {
 		t.Fatalf("crossing request: action %q after %d summarize calls, want the background summary reused", applied.Action, sum.Calls())
 	}
 
 	// The same request making a summary of its own.
 	in = input(crossing)
 	own := newDriver(cfg, okSummarizer(), newClock()).Compact(ctx, in)
-	if own.Action != ActionSummarized {
+	if own.Action != compaction.ActionSummarized {
 		t.Fatalf("own summary: action %q", own.Action)
 	}
 	if kb, ko := verbatimTail(crossing, applied.Messages), verbatimTail(crossing, own.Messages); kb > ko {
