@@ -178,6 +178,7 @@ func (s *Server) countReduction(out compaction.Output) {
 // something), as reduced_tokens_total names them.
 type reduction compaction.Reduction
 
+// MarshalLogObject writes the steps that removed something.
 func (r reduction) MarshalLogObject(enc zapcore.ObjectEncoder) error {
 	for i, n := range []int{r.Dedupe, r.Mask, r.Trim, r.Summarize, r.Drop} {
 		if n > 0 {
