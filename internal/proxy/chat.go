@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
+	"github.com/compactproxy/compactproxy/internal/bufpool"
 	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
 	"github.com/compactproxy/compactproxy/internal/identity"
@@ -125,7 +126,7 @@ type apiRequest struct {
 	opaque bool
 	// pb is the pooled buffer the client's body was read into (nil when
 	// not pooled); outgoing bodies that point into it are tracked.
-	pb *pooledBody
+	pb *bufpool.Body
 	// respHeaders are extra headers for the client (X-Compactproxy-*).
 	respHeaders http.Header
 }
@@ -192,7 +193,7 @@ func (ar *apiRequest) windowScope() upstream.Scope {
 
 // release returns the request's body buffer to its pool (the request is
 // over).
-func (ar *apiRequest) release() { ar.pb.release() }
+func (ar *apiRequest) release() { ar.pb.Release() }
 
 // read authorizes, reads and parses the body of a compacted route (and
 // of the preview): 401, 413, 408, 400 in the API's envelope, or 499 for a
@@ -221,18 +222,18 @@ func (s *Server) read(w http.ResponseWriter, r *http.Request) (*apiRequest, erro
 		ps  = identity.Parse{Tenant: tenant}
 	)
 	if api.Dialect == chat.DialectChat {
-		req, ps, err = s.ids.ParseChat(tenant, identity.Header(r.Header, s.cfg.Compaction.ConversationHeaders), pb.buf)
+		req, ps, err = s.ids.ParseChat(tenant, identity.Header(r.Header, s.cfg.Compaction.ConversationHeaders), pb.Buf)
 	} else {
 		// A Responses or Messages body is mapped to the chat model; its
 		// items' bytes are its own (a background summary renders them
 		// after this request is over), so the pooled buffer goes back now.
-		own := bytes.Clone(pb.buf)
-		pb.release()
+		own := bytes.Clone(pb.Buf)
+		pb.Release()
 		pb = nil
 		req, err = chat.ParseDialect(api.Dialect, own)
 	}
 	if err != nil {
-		pb.release()
+		pb.Release()
 		var pe *chat.ParseError
 		if errors.As(err, &pe) {
 			return nil, &clientError{status: http.StatusBadRequest, typ: "invalid_request_error", param: pe.Param, detail: pe.Message}

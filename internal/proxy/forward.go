@@ -92,7 +92,7 @@ func (s *Server) upstreamAttempt(ar *apiRequest, at attempt) upstream.Attempt {
 		Op:     ar.api.Dialect.String(), // retries are counted under the route served
 		URL:    target,
 		Header: ar.headers,
-		Body:   func() io.ReadCloser { return ar.pb.reader(body) },
+		Body:   func() io.ReadCloser { return ar.pb.Reader(body) },
 		Length: int64(len(body)),
 	}
 }
