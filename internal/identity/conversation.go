@@ -273,11 +273,11 @@ func (x *Identifier) seedFor(req *chat.Request, in *seedInput, e *parseEntry) an
 	return x.Seed(req)
 }
 
-// Estimator is the Estimate closure for one view set of cv: any view's
+// Estimator is the Estimate closure for the views of c: any view's
 // digest chain, the conversation's anchors, the local estimate and the
 // model's calibration fit.
-func (cv *Conversation) Estimator(anchors []anchor.Anchor, fit anchor.Fit) compaction.Estimator {
-	memo := cv.memo
+func (c *Conversation) Estimator(anchors []anchor.Anchor, fit anchor.Fit) compaction.Estimator {
+	memo := c.memo
 	return func(view []chat.Message) anchor.Estimate {
 		chain, local, err := memo.chain(view)
 		if err != nil {
@@ -488,31 +488,31 @@ func (x *Identifier) Open(header string, req *chat.Request, p Parse, view []chat
 	}, err
 }
 
-// Detached is cv with a chain memo of its own that knows no view yet: for
+// Detached is c with a chain memo of its own that knows no view yet: for
 // work that outlives the request (its views point into a pooled body).
-func (cv *Conversation) Detached() *Conversation {
-	d := *cv
-	d.memo = &chainMemo{local: cv.memo.local, seed: cv.memo.seed}
+func (c *Conversation) Detached() *Conversation {
+	d := *c
+	d.memo = &chainMemo{local: c.memo.local, seed: c.memo.seed}
 	return &d
 }
 
 // Chain is view's digest chain (one longer than view) and its messages'
 // local estimates.
-func (cv *Conversation) Chain(view []chat.Message) ([]anchor.Digest, []int, error) {
-	return cv.memo.chain(view)
+func (c *Conversation) Chain(view []chat.Message) ([]anchor.Digest, []int, error) {
+	return c.memo.chain(view)
 }
 
 // RecordChain is the planner's chain of view: its records and lineages
 // are keyed after the leading system messages (compaction.RecordChain), so
 // a system prompt that changes per request keeps them.
-func (cv *Conversation) RecordChain(view []chat.Message) ([]anchor.Digest, error) {
-	k, err := cv.memo.view(view)
+func (c *Conversation) RecordChain(view []chat.Message) ([]anchor.Digest, error) {
+	k, err := c.memo.view(view)
 	if err != nil {
 		return nil, err
 	}
-	seed := cv.recordSeed
+	seed := c.recordSeed
 	if seed == (anchor.Digest{}) {
-		seed = cv.memo.seed
+		seed = c.memo.seed
 	}
 	return compaction.RecordChain(seed, k.digests, compaction.LeadingSystem(view)), nil
 }
@@ -522,9 +522,9 @@ func (cv *Conversation) RecordChain(view []chat.Message) ([]anchor.Digest, error
 // after already holds exactly them. clean says the parsed messages passed
 // the pairing check; client is the client's view after pairing: the
 // chain is kept only when it is the parsed messages (repair changes it).
-func (x *Identifier) Remember(cv *Conversation, req *chat.Request, p Parse, clean bool, client []chat.Message) {
+func (x *Identifier) Remember(c *Conversation, req *chat.Request, p Parse, clean bool, client []chat.Message) {
 	if e := p.from; e != nil && p.reused == len(req.Messages) && e.snap.Len() == len(req.Messages) &&
-		e.seed == cv.memo.seed && e.seedIn.equal(&cv.seedIn) && len(e.chain.chain) == len(req.Messages)+1 && e.pairingClean == clean {
+		e.seed == c.memo.seed && e.seedIn.equal(&c.seedIn) && len(e.chain.chain) == len(req.Messages)+1 && e.pairingClean == clean {
 		return // nothing new: the entry stays (lookup marked it used)
 	}
 	// A snapshot's messages carry their digests: the next request shares
@@ -538,9 +538,9 @@ func (x *Identifier) Remember(cv *Conversation, req *chat.Request, p Parse, clea
 	if snap == nil {
 		return
 	}
-	e := &parseEntry{key: p.key, snap: snap, seed: cv.memo.seed, seedIn: cv.seedIn.clone(), pairingClean: clean}
+	e := &parseEntry{key: p.key, snap: snap, seed: c.memo.seed, seedIn: c.seedIn.clone(), pairingClean: clean}
 	if SameView(client, req.Messages) {
-		if k, err := cv.memo.view(req.Messages); err == nil {
+		if k, err := c.memo.view(req.Messages); err == nil {
 			// Without the idents: they name this request's (pooled) body.
 			e.chain = chainKnown{digests: k.digests, chain: k.chain, local: k.local}
 		}

@@ -2,7 +2,6 @@ package identity
 
 import (
 	"bytes"
-	"fmt"
 	"net/http"
 	"reflect"
 	"strconv"
@@ -10,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
+	"github.com/compactproxy/compactproxy/internal/anchor/anchortest"
 	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/chat/chattest"
 )
@@ -40,22 +40,6 @@ func remember(t *testing.T, x *Identifier, req *chat.Request, p Parse) {
 		t.Fatal(err)
 	}
 	x.Remember(conv, req, p, false, req.Messages)
-}
-
-// viewChain is the reference a chain memo must agree with: view's chain
-// under seed and its local estimates, computed from nothing.
-func viewChain(seed anchor.Digest, view []chat.Message, est anchor.LocalEstimator) ([]anchor.Digest, []int, error) {
-	chain := []anchor.Digest{seed}
-	local := make([]int, len(view))
-	for i := range view {
-		d, err := anchor.MessageHash(view[i].Raw)
-		if err != nil {
-			return nil, nil, fmt.Errorf("message %d: %w", i, err)
-		}
-		chain = append(chain, anchor.Link(chain[i], d))
-		local[i] = est.Tokens(&view[i])
-	}
-	return chain, local, nil
 }
 
 func mustParse(t *testing.T, body []byte) *chat.Request {
@@ -187,7 +171,7 @@ func TestParseCacheBounds(t *testing.T) {
 	}
 }
 
-// The chain memo answers what anchor.ViewChain computes, whatever it
+// The chain memo answers what anchortest.ViewChain computes, whatever it
 // starts from: nothing, a parse cache entry's prefix, or earlier views of
 // the request (a shorter, a longer, a compacted one).
 func TestChainMemoMatchesViewChain(t *testing.T) {
@@ -200,7 +184,7 @@ func TestChainMemoMatchesViewChain(t *testing.T) {
 		for i := range cp {
 			cp[i].HasDigest = false
 		}
-		c, l, err := viewChain(seed, cp, x.local)
+		c, l, err := anchortest.ViewChain(seed, cp, x.local)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -117,7 +117,7 @@ type apiRequest struct {
 	start   time.Time
 	reqID   string // the proxy's request id (logs, X-Request-Id)
 	req     *chat.Request
-	info    *chatInfo   // the access log's request fields
+	info    *apiInfo    // the access log's request fields
 	headers http.Header // upstream headers
 	parse   identity.Parse
 	// opaque: the upstream holds the history (a Responses request with
@@ -240,8 +240,8 @@ func (s *Server) read(w http.ResponseWriter, r *http.Request) (*apiRequest, erro
 		}
 		return nil, &clientError{status: http.StatusBadRequest, typ: "invalid_request_error", detail: err.Error()}
 	}
-	ci := &chatInfo{model: req.Model, stream: req.Stream, messages: len(req.Messages), action: "none"}
-	infoFrom(r.Context()).chat = ci
+	ci := &apiInfo{model: req.Model, stream: req.Stream, messages: len(req.Messages), action: "none"}
+	infoFrom(r.Context()).api = ci
 	if req.UIOnlyRemoved > 0 {
 		s.metrics.UIOnlyRemoved.Add(float64(req.UIOnlyRemoved))
 	}

@@ -124,8 +124,8 @@ func keepRequestID(h http.Header, own string) {
 
 // relay is the relay stage: the successful upstream answer to the
 // client, SSE event by event or a JSON body whole, handing the usage it
-// reports to record before the last byte is sent.
-func (s *Server) relay(w http.ResponseWriter, r *http.Request, ar *apiRequest, rp reply, record func(anchor.Usage)) {
+// reports to onUsage (the record stage) before the last byte is sent.
+func (s *Server) relay(w http.ResponseWriter, r *http.Request, ar *apiRequest, rp reply, onUsage func(anchor.Usage)) {
 	resp, upStart := rp.resp, rp.start
 	ri := infoFrom(r.Context())
 	defer resp.Body.Close()
@@ -137,7 +137,7 @@ func (s *Server) relay(w http.ResponseWriter, r *http.Request, ar *apiRequest, r
 		if f, ok := w.(http.Flusher); ok {
 			f.Flush()
 		}
-		err := relayEvents(w, resp.Body, ar.api.NewStream(rp.at.inject != nil), record)
+		err := relayEvents(w, resp.Body, ar.api.NewStream(rp.at.inject != nil), onUsage)
 		var broken streamBroken
 		switch {
 		case err == nil:
@@ -161,7 +161,7 @@ func (s *Server) relay(w http.ResponseWriter, r *http.Request, ar *apiRequest, r
 		return
 	}
 	if u, ok := anchor.UsageFromJSON(body); ok {
-		record(u)
+		onUsage(u)
 	}
 	w.WriteHeader(resp.StatusCode)
 	_, _ = w.Write(body)

@@ -191,7 +191,7 @@ func (s *Server) summaryCall(h http.Header, req *chat.Request) summarizer.Call {
 func (s *Server) requestBuilder(req *chat.Request) summarizer.Builder {
 	api := wire.For(req.Dialect())
 	own := req
-	if req.Dialect() == chat.DialectChat { // only a chat body is pooled (readChat)
+	if req.Dialect() == chat.DialectChat { // only a chat body is pooled (read)
 		own = &chat.Request{Fields: make([]chat.Field, 0, len(req.Fields))}
 		for _, f := range req.Fields {
 			c := chat.Field{Key: strings.Clone(f.Key)}
