@@ -19,7 +19,7 @@ help:
 	@echo "make agent-deps  the real-agent test's agent CLIs (npm ci from test/agent's lockfile)"
 	@echo "make ops-deps  promtool and prometheus (apt-get install prometheus) for test/ops"
 	@echo "make redis-deps  redis-server (apt-get install redis-server) for the store tests"
-	@echo "make agent-matrix  the real-agent test's whole matrix, opencode's and Codex/Claude Code's large reads included (not part of make test)"
+	@echo "make agent-matrix  the real-agent test's whole matrix, opencode's and Codex/Claude Code's large reads and the token-economy report included (not part of make test)"
 	@echo "make llama-matrix  the wide real llama-server matrix, 2k-32k, LLAMA_RUNS runs each (not part of make test)"
 	@echo "make bench     bench-go + bench-load (not part of make test)"
 	@echo "make bench-go  go test benchmarks of the parse and rewrite path"
@@ -94,9 +94,13 @@ llama-matrix: e2e-deps
 # large_reads), qwen-code at 16k and 32k (make test runs both), Codex CLI and
 # Claude Code at 40k with larger reads too (make test runs one read size
 # each). Run as root on linux-x64 for opencode, qwen-code, Codex and Claude
-# Code (they run in network namespaces of their own).
+# Code (they run in network namespaces of their own). With them the
+# token-economy report (TestAgentEconomy: five agents x two workloads x a
+# tight and a roomy window, direct and through compactproxy), appended to
+# AGENT_REPORT (default agent-report.md).
 agent-matrix: agent-deps
-	AGENT_MATRIX=1 $(GO) test -count=1 -timeout 30m -v -run 'TestRealAgentThroughCompactproxy|TestCodexAndClaudeCode' ./test/agent/
+	AGENT_MATRIX=1 AGENT_REPORT=$${AGENT_REPORT:-$(CURDIR)/agent-report.md} \
+		$(GO) test -count=1 -timeout 90m -v -run 'TestRealAgentThroughCompactproxy|TestCodexAndClaudeCode|TestAgentEconomy' ./test/agent/
 
 # Not part of `make test`. bench-go: go test benchmarks (parse and rewrite
 # path); bench-load: the load harness (mock upstream, bare proxy, compactproxy;

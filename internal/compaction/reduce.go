@@ -421,20 +421,10 @@ func (r *run) mask(p *plan, from, to, cur, target int) (int, bool) {
 	if len(cands) == 0 {
 		return cur, false
 	}
-	all := p.withTrims(cands, keepMask)
-	estAll := r.est(r.view(all))
-	if estAll >= target {
-		*p = all
-		return estAll, false
-	}
-	lo, hi, hiEst := 1, len(cands), estAll
-	for lo < hi {
-		mid := (lo + hi) / 2
-		if e := r.est(r.view(p.withTrims(cands[:mid], keepMask))); e < target {
-			hi, hiEst = mid, e
-		} else {
-			lo = mid + 1
-		}
+	hi, hiEst, ok := r.fewestBelow(*p, cands, keepMask, target)
+	if !ok {
+		*p = p.withTrims(cands, keepMask)
+		return hiEst, false
 	}
 	// Align the batch's end with the earlier cut.
 	if c := r.earlierCut(); c > cands[hi-1] {

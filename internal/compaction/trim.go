@@ -42,14 +42,20 @@ func (r *run) trimCandidates(p plan, from, to, limit int) []int {
 // that bring the view below target (all of them when none does) and
 // returns the new estimate and whether the target was reached.
 func (r *run) applyTrims(p *plan, cands []int, keep, target int) (int, bool) {
-	all := p.withTrims(cands, keep)
-	estAll := r.est(r.view(all))
+	n, est, ok := r.fewestBelow(*p, cands, keep, target)
+	*p = p.withTrims(cands[:n], keep)
+	return est, ok
+}
+
+// fewestBelow is the shortest prefix cands[:n] whose reductions (keep)
+// bring p's view below target, with that view's estimate; when even all of
+// them do not, n is len(cands) and ok is false. The estimate falls as more
+// results are reduced: a binary search, O(log n) estimates.
+func (r *run) fewestBelow(p plan, cands []int, keep, target int) (n, est int, ok bool) {
+	estAll := r.est(r.view(p.withTrims(cands, keep)))
 	if estAll >= target {
-		*p = all
-		return estAll, false
+		return len(cands), estAll, false
 	}
-	// The estimate falls as more results are excerpted: binary search for
-	// the smallest prefix of candidates below the target.
 	lo, hi, hiEst := 1, len(cands), estAll
 	for lo < hi {
 		mid := (lo + hi) / 2
@@ -59,8 +65,7 @@ func (r *run) applyTrims(p *plan, cands []int, keep, target int) (int, bool) {
 			lo = mid + 1
 		}
 	}
-	*p = p.withTrims(cands[:hi], keep)
-	return hiEst, true
+	return hi, hiEst, true
 }
 
 // finalResults is where the final turn's tool results begin: the first of

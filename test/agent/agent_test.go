@@ -156,7 +156,11 @@ type agentSpec struct {
 	ready func(t *testing.T, root string)
 	// run runs the agent in project against target (a base URL without
 	// /v1) through a new recorder, and returns the run and the recorder.
-	run func(t *testing.T, root, project, target string, window, maxTokens int, maxField string) (agentRun, *recorder)
+	// told > 0 tells the agent its model's window is told and leaves its
+	// own compaction on (the economy report); 0 tells it a large window
+	// and switches its own compaction off, leaving compacting to
+	// compactproxy.
+	run func(t *testing.T, root, project, target string, window, maxTokens int, maxField string, told int) (agentRun, *recorder)
 }
 
 type maxCase struct {
@@ -487,7 +491,7 @@ type agentRun struct {
 // also switched off, so compacting is left to compactproxy) and maxTokens
 // as given, sent in the request field maxField (pi's compat.maxTokensField:
 // "max_completion_tokens", its default, or "max_tokens").
-func runPi(t *testing.T, root, project, target string, window, maxTokens int, maxField string) (agentRun, *recorder) {
+func runPi(t *testing.T, root, project, target string, window, maxTokens int, maxField string, told int) (agentRun, *recorder) {
 	t.Helper()
 	rec := newRecorder(t, target)
 	baseURL := rec.srv.URL + "/v1"
@@ -495,6 +499,12 @@ func runPi(t *testing.T, root, project, target string, window, maxTokens int, ma
 	agentDir := filepath.Join(home, ".pi", "agent")
 	if err := os.MkdirAll(agentDir, 0o755); err != nil {
 		t.Fatal(err)
+	}
+	contextWindow, compaction := 131072, map[string]any{"enabled": false}
+	if told > 0 {
+		// pi's own compaction, sized for the window: its defaults (reserve
+		// 16,384, keep 20,000) are over a 16k window.
+		contextWindow, compaction = told, map[string]any{"enabled": true, "reserveTokens": told / 4, "keepRecentTokens": told / 4}
 	}
 	models := map[string]any{"providers": map[string]any{"mock": map[string]any{
 		"baseUrl": baseURL,
@@ -508,11 +518,11 @@ func runPi(t *testing.T, root, project, target string, window, maxTokens int, ma
 		},
 		"models": []any{map[string]any{
 			"id": "mock-model", "name": "mock-model", "reasoning": false, "input": []string{"text"},
-			"contextWindow": 131072, "maxTokens": maxTokens,
+			"contextWindow": contextWindow, "maxTokens": maxTokens,
 		}},
 	}}}
 	settings := map[string]any{
-		"compaction":             map[string]any{"enabled": false},
+		"compaction":             compaction,
 		"retry":                  map[string]any{"enabled": false}, // an error must surface, not be retried away
 		"enableInstallTelemetry": false,
 		"quietStartup":           true,
@@ -591,13 +601,17 @@ func opencodeReady(t *testing.T, root string) {
 // features are off too (autoupdate, models.dev, share, default plugins,
 // LSP downloads), and in the namespace nothing but loopback exists anyway,
 // so a forgotten one fails at once instead of hanging.
-func runOpencode(t *testing.T, root, project, target string, window, maxTokens int, maxField string) (agentRun, *recorder) {
+func runOpencode(t *testing.T, root, project, target string, window, maxTokens int, maxField string, told int) (agentRun, *recorder) {
 	t.Helper()
 	if maxField != "max_tokens" {
 		t.Fatalf("opencode sends max_tokens, not %s", maxField)
 	}
 	home := t.TempDir()
 	baseURL := fmt.Sprintf("http://127.0.0.1:%d/v1", nsPort)
+	contextLimit := 131072
+	if told > 0 {
+		contextLimit = told
+	}
 	config := map[string]any{
 		"provider": map[string]any{"mock": map[string]any{
 			"npm":     "@ai-sdk/openai-compatible",
@@ -605,7 +619,7 @@ func runOpencode(t *testing.T, root, project, target string, window, maxTokens i
 			"options": map[string]any{"baseURL": baseURL, "apiKey": apiKey},
 			"models": map[string]any{"mock-model": map[string]any{
 				"name":  "mock-model",
-				"limit": map[string]any{"context": 131072, "output": maxTokens},
+				"limit": map[string]any{"context": contextLimit, "output": maxTokens},
 			}},
 		}},
 		"model":       "mock/mock-model",
@@ -634,9 +648,10 @@ func runOpencode(t *testing.T, root, project, target string, window, maxTokens i
 		"OPENCODE_DISABLE_LSP_DOWNLOAD=1",
 		"OPENCODE_DISABLE_CLAUDE_CODE=1",
 		"OPENCODE_DISABLE_EXTERNAL_SKILLS=1",
-		"OPENCODE_DISABLE_AUTOCOMPACT=1",
-		"OPENCODE_DISABLE_PRUNE=1",
 	)
+	if told == 0 {
+		cmd.Env = append(cmd.Env, "OPENCODE_DISABLE_AUTOCOMPACT=1", "OPENCODE_DISABLE_PRUNE=1")
+	}
 	// Probed from inside the namespace before opencode starts: the
 	// recorder's target (compactproxy or the mock, on the host's loopback)
 	// and an address past loopback must both be out of reach.
@@ -720,7 +735,7 @@ func testCase(t *testing.T, root, bin string, c runCase) {
 	ok := t.Run("reference_without_proxy", func(t *testing.T) {
 		project, files := writeProject(t, c.wl)
 		mock := newMockModel(t, 1<<20, c.agent.rate, project, task, finalText, c.wl.pairAt, files)
-		run, rec := c.agent.run(t, root, project, mock.srv.URL, c.window, c.window/2, c.agent.maxCases[0].field)
+		run, rec := c.agent.run(t, root, project, mock.srv.URL, c.window, c.window/2, c.agent.maxCases[0].field, 0)
 		turns, _ := rec.snapshot()
 		ups := mock.requests()
 		t.Logf("agent ran %v, exit: %v; %d requests; without compaction the conversation reaches %d tokens at the mock's rate (the cases' window: %d)",
@@ -750,7 +765,7 @@ func testCase(t *testing.T, root, bin string, c runCase) {
 		// previous one, so all of it but what was appended is cached.
 		byTurn := map[int][]upstreamReq{}
 		for _, u := range ups {
-			if !u.Aux {
+			if !u.Aux && !u.SelfCompact {
 				byTurn[u.Turn] = append(byTurn[u.Turn], u)
 			}
 		}
@@ -839,7 +854,7 @@ func testAgent(t *testing.T, root, bin string, c runCase, mc maxCase) {
 	settings := append([]string{"COMPACTPROXY_UPSTREAM_CONTEXT_WINDOW=" + strconv.Itoa(window)}, strings.Fields(os.Getenv("AGENT_PROXY_ENV"))...)
 	proxy := startProxy(t, bin, mock.baseURL(), settings...)
 
-	run, rec := c.agent.run(t, root, project, proxy.URL, window, maxTokens, maxField)
+	run, rec := c.agent.run(t, root, project, proxy.URL, window, maxTokens, maxField, 0)
 	allTurns, recOthers := rec.snapshot()
 	turns := agentTurns(allTurns)
 	ups := mock.requests()
@@ -852,7 +867,7 @@ func testAgent(t *testing.T, root, bin string, c runCase, mc maxCase) {
 		switch {
 		case u.Summarize:
 			summarizes = append(summarizes, u)
-		case !u.Aux:
+		case !u.Aux && !u.SelfCompact:
 			byTurn[u.Turn] = append(byTurn[u.Turn], u)
 		}
 	}
@@ -882,7 +897,7 @@ func testAgent(t *testing.T, root, bin string, c runCase, mc maxCase) {
 	}
 	steps := map[int]bool{}
 	for _, u := range ups {
-		if !u.Summarize && !u.Aux && u.Status == http.StatusOK {
+		if !u.Summarize && !u.Aux && !u.SelfCompact && u.Status == http.StatusOK {
 			steps[u.Step] = true
 		}
 	}

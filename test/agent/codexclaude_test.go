@@ -52,7 +52,9 @@ type dialectAgent struct {
 	// rate is the mock's bytes per token for this agent's requests.
 	rate float64
 	bin  string
-	run  func(t *testing.T, root, project, target string) (agentRun, *recorder)
+	// run runs the agent; told > 0 tells it its model's window where it
+	// can be told (Codex CLI), 0 leaves its defaults.
+	run func(t *testing.T, root, project, target string, told int) (agentRun, *recorder)
 }
 
 var (
@@ -188,7 +190,10 @@ func runInNetns(t *testing.T, cmd *exec.Cmd, target string) (agentRun, *recorder
 // allows the temporary project, and the sandbox is bypassed: the network
 // namespace is the sandbox, and Codex's own (landlock, seccomp) is not
 // what is tested.
-func runCodex(t *testing.T, root, project, target string) (agentRun, *recorder) {
+//
+// told > 0 adds model_context_window: Codex then compacts itself before
+// its history outgrows that window.
+func runCodex(t *testing.T, root, project, target string, told int) (agentRun, *recorder) {
 	t.Helper()
 	home := t.TempDir()
 	config := fmt.Sprintf(`model = "mock-model"
@@ -204,6 +209,10 @@ env_key = "MOCK_API_KEY"
 [analytics]
 enabled = false
 `, nsPort)
+	if told > 0 {
+		// A top-level key: before the first table.
+		config = fmt.Sprintf("model_context_window = %d\n", told) + config
+	}
 	if err := os.WriteFile(filepath.Join(home, "config.toml"), []byte(config), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -232,7 +241,10 @@ enabled = false
 // sandbox, and the test runs as root), no session persisted. Its own
 // auto-compaction is left at its default (it sizes it from its model's
 // window, far over the mock's, so it compacts only after an overflow).
-func runClaude(t *testing.T, root, project, target string) (agentRun, *recorder) {
+//
+// told is not passed on: Claude Code sizes its window from its model and
+// compacts itself after an overflow.
+func runClaude(t *testing.T, root, project, target string, told int) (agentRun, *recorder) {
 	t.Helper()
 	home := t.TempDir()
 	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Second)
@@ -514,7 +526,7 @@ func countItems(d dialect, body []byte) int {
 func dialectDirect(t *testing.T, root string, c dialectCase) {
 	project, files := writeProject(t, workload{name: "reads", fileCount: c.fileCount, fileBytes: c.fileBytes, pairAt: c.pairAt})
 	mock := newDialectMock(t, c.agent.dialect, dialectWindow, c.agent.rate, project, files, c.pairAt, c.failedStream)
-	run, rec := c.agent.run(t, root, project, mock.srv.URL)
+	run, rec := c.agent.run(t, root, project, mock.srv.URL, 0)
 	r := collectRun(c, run, rec, mock)
 	r.dump(t)
 	r.table(t)
@@ -581,7 +593,7 @@ func dialectThroughProxy(t *testing.T, root, bin string, c dialectCase, proxyWin
 	project, files := writeProject(t, workload{name: "reads", fileCount: c.fileCount, fileBytes: c.fileBytes, pairAt: c.pairAt})
 	mock := newDialectMock(t, c.agent.dialect, dialectWindow, c.agent.rate, project, files, c.pairAt, c.failedStream)
 	proxy := startProxy(t, bin, mock.srv.URL+"/v1", "COMPACTPROXY_UPSTREAM_CONTEXT_WINDOW="+strconv.Itoa(proxyWindow))
-	run, rec := c.agent.run(t, root, project, proxy.URL)
+	run, rec := c.agent.run(t, root, project, proxy.URL, 0)
 	r := collectRun(c, run, rec, mock)
 	r.dump(t)
 	r.table(t)

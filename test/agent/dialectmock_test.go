@@ -108,12 +108,17 @@ type dialectMock struct {
 	// lastResults is the newest script step whose tool results the mock
 	// has seen; -1 before any.
 	lastResults int
+	// edit: the script is the edit–test workload (editOps) over files,
+	// not the read-every-file-once one; rereads are the steps before
+	// which it re-read the file it was about to edit.
+	edit    bool
+	rereads map[int]bool
 }
 
 func newDialectMock(t *testing.T, d dialect, window int, rate float64, dir string, files []projectFile, pairAt int, failedStream bool) *dialectMock {
 	t.Helper()
 	m := &dialectMock{d: d, window: window, rate: rate, dir: dir, prompt: task, finalText: finalText, pairAt: pairAt, files: files,
-		failedStream: failedStream, prevPrompt: map[string][]byte{}, lastResults: -1}
+		failedStream: failedStream, prevPrompt: map[string][]byte{}, lastResults: -1, rereads: map[int]bool{}}
 	m.srv = httptest.NewServer(http.HandlerFunc(m.serve))
 	t.Cleanup(m.srv.Close)
 	return m
@@ -217,6 +222,27 @@ func (m *dialectMock) cached(kind string, rendered []byte, prompt int) int {
 	return min(int(float64(common)/m.rate), prompt)
 }
 
+// rereadFirst is the read the mock makes before step (edit workload), or
+// nil: when the step edits a file whose current lines are not all in the
+// context's tool results (texts), and the newest results (trailing call
+// ids) are not already that re-read. It counts the re-read.
+func (m *dialectMock) rereadFirst(prefix string, step int, steps [][]dcall, texts, trailing []string) *dcall {
+	rr := rereadNeeded(m.dir, prefix, step, steps, texts, trailing)
+	if rr != nil {
+		m.mu.Lock()
+		m.rereads[step] = true
+		m.mu.Unlock()
+	}
+	return rr
+}
+
+// rereadCount is how many steps the mock re-read a file before.
+func (m *dialectMock) rereadCount() int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return len(m.rereads)
+}
+
 func (m *dialectMock) nextID(prefix string) string {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -230,6 +256,13 @@ func (m *dialectMock) nextID(prefix string) string {
 // object) and a string its result must hold.
 type dcall struct {
 	Tool, Args, Expect string
+	// Edits names the file the call changes (the edit–test workload's
+	// edits): before making it the mock checks that the file's current
+	// lines are in a tool result of the context, and re-reads it first
+	// when they are not.
+	Edits string
+	// Reread is the read of Edits the mock makes first when it must.
+	Reread *dcall
 }
 
 // dialectScript is the task in the agent's own tools: list the project
@@ -238,6 +271,9 @@ type dcall struct {
 // (Claude Code's Read, an absolute file_path) else with the shell tool
 // (`cat`, Codex's exec_command); then the final answer (a nil step).
 func (m *dialectMock) dialectScript(shell, shellParam, read, readParam string) [][]dcall {
+	if m.edit {
+		return editSteps(m.dir, m.files, shell, shellParam, read, readParam, true)
+	}
 	arg := func(k, v string) string {
 		b, _ := json.Marshal(map[string]string{k: v})
 		return string(b)
@@ -273,6 +309,16 @@ func (m *dialectMock) stepFromResults(prefix string, results []toolResult, steps
 	step = -1
 	seen := map[int]bool{}
 	for _, res := range results {
+		if s, ok := parseReread(prefix, res.ID); ok {
+			// The mock's own re-read before step s: step s comes again.
+			if s >= len(steps) {
+				return -1, []string{"re-read result for an unknown step " + res.ID}, true
+			}
+			if f := steps[s][0].Edits; !strings.Contains(res.Output, fileMarker(m.files, f)) && !readDeduped(res.Output) {
+				problems = append(problems, fmt.Sprintf("the re-read %s of %s lacks its marker (result: %.200q)", res.ID, f, res.Output))
+			}
+			return s, problems, true
+		}
 		var s, k int
 		if _, err := fmt.Sscanf(res.ID, prefix+"_s%d_%d", &s, &k); err != nil {
 			return -1, []string{"a tool result answers a call the mock did not make: " + res.ID}, true
@@ -285,7 +331,7 @@ func (m *dialectMock) stepFromResults(prefix string, results []toolResult, steps
 			return -1, []string{"tool result for an unknown call " + res.ID}, true
 		}
 		seen[k] = true
-		if want := steps[s][k].Expect; !strings.Contains(res.Output, want) {
+		if want := steps[s][k].Expect; !strings.Contains(res.Output, want) && !readDeduped(res.Output) {
 			problems = append(problems, fmt.Sprintf("the result of %s (%s %s) lacks %q: the agent did not run the call as asked (result: %.200q)",
 				res.ID, steps[s][k].Tool, steps[s][k].Args, want, res.Output))
 		}
@@ -564,15 +610,30 @@ func (m *dialectMock) serveResponses(w http.ResponseWriter, rec *dreq) {
 			return
 		}
 		rec.Step = step
+		calls, id := steps[step], func(k int) string { return dCallID("call", step, k) }
+		if m.edit {
+			var texts, trailing []string
+			for _, it := range items {
+				if strings.HasSuffix(it.Type, "_output") {
+					texts = append(texts, itemText(it))
+				}
+			}
+			for i := len(items) - 1; i >= 0 && strings.HasSuffix(items[i].Type, "_output"); i-- {
+				trailing = append(trailing, items[i].CallID)
+			}
+			if rr := m.rereadFirst("call", step, steps, texts, trailing); rr != nil {
+				calls, id = []dcall{*rr}, func(int) string { return rereadID("call", step) }
+			}
+		}
 		// A reasoning item first, as reasoning models answer; Codex sends
 		// it back (include reasoning.encrypted_content, store false).
 		out = append(out, map[string]any{"type": "reasoning", "id": m.nextID("rs"), "summary": []any{},
 			"encrypted_content": fakeCiphertext(fmt.Sprintf("reasoning for step %d of %s", step, respID), 600)})
-		if steps[step] == nil {
+		if calls == nil {
 			out = append(out, responsesMessage(m.nextID("msg"), m.finalText))
 		}
-		for k, c := range steps[step] {
-			out = append(out, map[string]any{"type": "function_call", "id": m.nextID("fc"), "call_id": dCallID("call", step, k),
+		for k, c := range calls {
+			out = append(out, map[string]any{"type": "function_call", "id": m.nextID("fc"), "call_id": id(k),
 				"name": c.Tool, "arguments": c.Args, "status": "completed"})
 		}
 	}
@@ -645,8 +706,13 @@ func (m *dialectMock) responsesStep(items []responsesItem, steps [][]dcall) (int
 		return step, problems
 	}
 	last := items[len(items)-1]
-	if last.Type == "message" && last.Role == "user" && strings.Contains(itemText(last), m.prompt) {
+	if last.Type == "message" && last.Role == "user" && strings.Contains(itemText(last), m.prompt) && m.resumeStep() == 0 {
 		return 0, nil
+	}
+	if last.Type == "message" && last.Role == "user" && m.resumeStep() > 0 {
+		// Codex CLI going on after its own compaction (told its window):
+		// a summary in a user message, no tool output to tell by.
+		return m.resumeStep(), nil
 	}
 	return -1, []string{fmt.Sprintf("the input ends on a %s item (role %q) that is neither the task nor a tool output", last.Type, last.Role)}
 }
@@ -959,19 +1025,36 @@ func (m *dialectMock) serveMessages(w http.ResponseWriter, rec *dreq) {
 			return
 		}
 		rec.Step = step
+		calls, id := steps[step], func(k int) string { return dCallID("toolu", step, k) }
+		if m.edit {
+			var texts, trailing []string
+			for i, msg := range msgs {
+				for _, b := range blocksOf(msg.Content) {
+					if msg.Role == "user" && b.Type == "tool_result" {
+						texts = append(texts, blockText(b))
+						if i == len(msgs)-1 {
+							trailing = append(trailing, b.ToolUseID)
+						}
+					}
+				}
+			}
+			if rr := m.rereadFirst("toolu", step, steps, texts, trailing); rr != nil {
+				calls, id = []dcall{*rr}, func(int) string { return rereadID("toolu", step) }
+			}
+		}
 		// A thinking block with a signature first, as Claude models with
 		// extended thinking answer; Claude Code sends it back in every
 		// assistant turn, and the API rejects an altered one.
 		content = append(content, map[string]any{"type": "thinking",
 			"thinking":  fmt.Sprintf("Step %d of the review: the next file to look at follows from the last result.", step),
 			"signature": fakeCiphertext(fmt.Sprintf("signature for step %d", step), 320)})
-		if steps[step] == nil {
+		if calls == nil {
 			content = append(content, map[string]any{"type": "text", "text": m.finalText})
 		}
-		for k, c := range steps[step] {
+		for k, c := range calls {
 			var input map[string]any
 			json.Unmarshal([]byte(c.Args), &input)
-			content = append(content, map[string]any{"type": "tool_use", "id": dCallID("toolu", step, k), "name": c.Tool, "input": input})
+			content = append(content, map[string]any{"type": "tool_use", "id": id(k), "name": c.Tool, "input": input})
 			stop = "tool_use"
 		}
 	}

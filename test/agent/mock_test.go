@@ -45,9 +45,7 @@ type projectFile struct {
 
 // scriptCall is one tool call the mock makes; Expect is a string its result
 // must contain (the file's marker, or a file name for the listing).
-type scriptCall struct {
-	Tool, Args, Expect string
-}
+type scriptCall = dcall
 
 // upstreamReq is one request as the mock received it, with what it found.
 type upstreamReq struct {
@@ -56,15 +54,18 @@ type upstreamReq struct {
 	// Aux: a request of the agent that declares no tools, a side request
 	// of its own (opencode asks for a session title); answered with a
 	// short text, not a script step.
-	Aux       bool
-	Body      []byte
-	Status    int
-	Prompt    int // prompt_tokens the mock counted (and reported when 200)
-	Cached    int // cached_tokens reported: the rendered prompt's prefix shared with the previous request of its kind (renderPrompt)
-	MaxTokens int
-	MaxField  string // "max_tokens", "max_completion_tokens" or ""
-	Step      int    // the script step answered; -1 for summarize calls and errors
-	Stream    bool
+	Aux bool
+	// SelfCompact: the agent's own compaction request (selfCompactChat),
+	// answered with a summary.
+	SelfCompact bool
+	Body        []byte
+	Status      int
+	Prompt      int // prompt_tokens the mock counted (and reported when 200)
+	Cached      int // cached_tokens reported: the rendered prompt's prefix shared with the previous request of its kind (renderPrompt)
+	MaxTokens   int
+	MaxField    string // "max_tokens", "max_completion_tokens" or ""
+	Step        int    // the script step answered; -1 for summarize calls and errors
+	Stream      bool
 	// Pairing is the strict pairing check's violations of the body.
 	Pairing []pairing.Violation
 	// Problems: the script's expectations that the body broke.
@@ -87,17 +88,32 @@ type mockModel struct {
 	pairAt    int // files pairAt and pairAt+1 are read in one parallel turn
 	files     []projectFile
 	srv       *httptest.Server
+	// resumable: a user message that is not the task resumes after the
+	// newest step answered (the agent's own compaction is on).
+	resumable bool
 
 	mu         sync.Mutex
 	reqs       []upstreamReq
 	prevPrompt map[string][]byte // previous rendered prompt per kind (agent, summarize, aux), for cached_tokens
 	seq        int
 	otherReqs  []string // non-chat requests: "GET /v1/models"
+	// lastResults is the newest script step whose tool results the mock
+	// has seen (-1 before any): where an agent that compacted its own
+	// history goes on.
+	lastResults int
+	// lastAnswered is the newest script step the mock answered with tool
+	// calls (-1 before any): an agent that compacts itself right after
+	// running them (opencode) sends their results only in its summary.
+	lastAnswered int
+	// edit: the script is the edit–test workload (editOps); rereads are
+	// the steps before which the mock re-read the file it was to edit.
+	edit    bool
+	rereads map[int]bool
 }
 
 func newMockModel(t *testing.T, window int, rate float64, dir, prompt, finalText string, pairAt int, files []projectFile) *mockModel {
 	t.Helper()
-	m := &mockModel{window: window, rate: rate, dir: dir, prompt: prompt, finalText: finalText, pairAt: pairAt, files: files, prevPrompt: map[string][]byte{}}
+	m := &mockModel{window: window, rate: rate, dir: dir, prompt: prompt, finalText: finalText, pairAt: pairAt, files: files, prevPrompt: map[string][]byte{}, lastResults: -1, lastAnswered: -1, rereads: map[int]bool{}}
 	m.srv = httptest.NewServer(http.HandlerFunc(m.serve))
 	t.Cleanup(m.srv.Close)
 	return m
@@ -197,6 +213,12 @@ func (m *mockModel) script(v *mockView) ([][]scriptCall, error) {
 	}
 	if read == "" {
 		return nil, fmt.Errorf("the request declares no read tool (a tool named *read* with a path, filePath or file_path parameter)")
+	}
+	if m.edit {
+		if shell == "" {
+			return nil, fmt.Errorf("the request declares no shell tool (a command parameter), which the edit–test workload needs")
+		}
+		return editSteps(m.dir, m.files, shell, "command", read, pathParam, pathParam != "path"), nil
 	}
 	var steps [][]scriptCall
 	if shell != "" {
@@ -301,7 +323,8 @@ func (m *mockModel) serve(w http.ResponseWriter, r *http.Request) {
 	// request). A script turn that reaches the mock only in either shape is
 	// reported by the test as a turn never forwarded.
 	rec.Summarize = rec.Turn < 0 || (len(v.Tools) > 0 && string(bytes.TrimSpace(v.ToolChoice)) == `"none"`)
-	rec.Aux = !rec.Summarize && len(v.Tools) == 0
+	rec.SelfCompact = !rec.Summarize && selfCompactChat(&v, m.prompt)
+	rec.Aux = !rec.Summarize && !rec.SelfCompact && len(v.Tools) == 0
 	rec.Pairing, err = pairingOf(body)
 	if err != nil {
 		rec.Problems = append(rec.Problems, "internal/chat cannot parse the body: "+err.Error())
@@ -314,6 +337,8 @@ func (m *mockModel) serve(w http.ResponseWriter, r *http.Request) {
 	switch {
 	case rec.Summarize:
 		kind = "summarize"
+	case rec.SelfCompact:
+		kind = "selfcompact"
 	case rec.Aux:
 		kind = "aux"
 	}
@@ -343,12 +368,15 @@ func (m *mockModel) serve(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 
-	if rec.Summarize || rec.Aux {
+	if rec.Summarize || rec.Aux || rec.SelfCompact {
 		rec.Status = http.StatusOK
 		m.record(rec)
 		text := summaryText
-		if rec.Aux {
+		switch {
+		case rec.Aux:
 			text = auxText
+		case rec.SelfCompact:
+			text = selfSummaryText
 		}
 		if v.Stream {
 			streamAnswer(w, id, v.Model, includeUsage, usage, []string{text}, nil)
@@ -374,9 +402,35 @@ func (m *mockModel) serve(w http.ResponseWriter, r *http.Request) {
 		mockError(w, http.StatusBadRequest, "mock: cannot tell the script step from the last message")
 		return
 	}
+	calls, ids := steps[step], func(k int) string { return callID(step, k) }
+	if m.edit {
+		var texts, trailing []string
+		for _, msg := range v.Messages {
+			if msg.Role == "tool" {
+				texts = append(texts, chatText(msg.Content))
+			}
+		}
+		for i := len(v.Messages) - 1; i >= 0 && v.Messages[i].Role == "tool"; i-- {
+			trailing = append(trailing, v.Messages[i].ToolCallID)
+		}
+		if rr := rereadNeeded(m.dir, "call", step, steps, texts, trailing); rr != nil {
+			m.mu.Lock()
+			m.rereads[step] = true
+			m.mu.Unlock()
+			calls, ids = []scriptCall{*rr}, func(int) string { return rereadID("call", step) }
+		}
+	}
 	rec.Step, rec.Status = step, http.StatusOK
 	m.record(rec)
-	calls := steps[step]
+	if len(calls) > 0 {
+		m.mu.Lock()
+		answered := step
+		if m.rereads[step] && calls[0].Edits == "" && steps[step][0].Edits != "" {
+			answered = step - 1 // a re-read: the edit is still to come
+		}
+		m.lastAnswered = max(m.lastAnswered, answered)
+		m.mu.Unlock()
+	}
 	if len(calls) == 0 {
 		pieces := []string{m.finalText[:len(m.finalText)/2], m.finalText[len(m.finalText)/2:]}
 		if v.Stream {
@@ -387,12 +441,12 @@ func (m *mockModel) serve(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if v.Stream {
-		streamAnswer(w, id, v.Model, includeUsage, usage, nil, func(k int) string { return callID(step, k) }, calls...)
+		streamAnswer(w, id, v.Model, includeUsage, usage, nil, ids, calls...)
 		return
 	}
 	var tcs []any
 	for k, c := range calls {
-		tcs = append(tcs, map[string]any{"id": callID(step, k), "type": "function",
+		tcs = append(tcs, map[string]any{"id": ids(k), "type": "function",
 			"function": map[string]any{"name": c.Tool, "arguments": c.Args}})
 	}
 	jsonAnswer(w, id, v.Model, map[string]any{"role": "assistant", "content": nil, "tool_calls": tcs}, "tool_calls", usage)
@@ -406,6 +460,14 @@ func (m *mockModel) stepOf(v *mockView, steps [][]scriptCall) (int, []string) {
 	last := msgs[len(msgs)-1]
 	switch last.Role {
 	case "user":
+		m.mu.Lock()
+		resume := max(m.lastResults, m.lastAnswered) + 1
+		m.mu.Unlock()
+		if resume > 0 && (m.edit || m.resumable) {
+			// The agent goes on after compacting its own history (a
+			// summary and a user message, no tool result to tell by).
+			return resume, nil
+		}
 		if !bytes.Contains(last.Content, []byte(m.prompt)) {
 			return -1, []string{"the last message is a user message but not the task"}
 		}
@@ -418,6 +480,16 @@ func (m *mockModel) stepOf(v *mockView, steps [][]scriptCall) (int, []string) {
 	step := -1
 	seen := map[int]bool{}
 	for i := len(msgs) - 1; i >= 0 && msgs[i].Role == "tool"; i-- {
+		if s, ok := parseReread("call", msgs[i].ToolCallID); ok {
+			// The mock's own re-read before step s: step s comes again.
+			if s >= len(steps) || len(steps[s]) == 0 {
+				return -1, []string{"re-read result for an unknown step " + msgs[i].ToolCallID}
+			}
+			if f := steps[s][0].Edits; !strings.Contains(chatText(msgs[i].Content), fileMarker(m.files, f)) && !readDeduped(chatText(msgs[i].Content)) {
+				problems = append(problems, fmt.Sprintf("the re-read %s of %s lacks its marker", msgs[i].ToolCallID, f))
+			}
+			return s, problems
+		}
 		var s, k int
 		if _, err := fmt.Sscanf(msgs[i].ToolCallID, "call_s%d_%d", &s, &k); err != nil {
 			return -1, []string{"a tool result answers a call the mock did not make: " + msgs[i].ToolCallID}
@@ -430,7 +502,7 @@ func (m *mockModel) stepOf(v *mockView, steps [][]scriptCall) (int, []string) {
 			return -1, []string{"tool result for an unknown call " + msgs[i].ToolCallID}
 		}
 		seen[k] = true
-		if want := steps[s][k].Expect; !bytes.Contains(msgs[i].Content, []byte(want)) {
+		if want := steps[s][k].Expect; !bytes.Contains(msgs[i].Content, []byte(want)) && !readDeduped(chatText(msgs[i].Content)) {
 			problems = append(problems, fmt.Sprintf("the result of %s (%s %s) lacks %q: the agent did not run the call as asked",
 				msgs[i].ToolCallID, steps[s][k].Tool, steps[s][k].Args, want))
 		}
@@ -438,6 +510,9 @@ func (m *mockModel) stepOf(v *mockView, steps [][]scriptCall) (int, []string) {
 	if step >= 0 && len(seen) != len(steps[step]) {
 		problems = append(problems, fmt.Sprintf("step %d made %d calls, %d answered at the end of the request", step, len(steps[step]), len(seen)))
 	}
+	m.mu.Lock()
+	m.lastResults = max(m.lastResults, step)
+	m.mu.Unlock()
 	return step + 1, problems
 }
 

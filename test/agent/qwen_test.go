@@ -88,7 +88,10 @@ func netnsReady(t *testing.T, agent string) {
 // compacting is left to compactproxy. Telemetry and usage statistics are
 // off, chat recording too; its HOME (where ~/.qwen lives) is a temporary
 // directory, and in the namespace nothing but loopback exists anyway.
-func runQwen(t *testing.T, root, project, target string, window, maxTokens int, maxField string) (agentRun, *recorder) {
+//
+// told cannot be passed on with --bare (no settings file): qwen-code keeps
+// assuming its large window and compacts only after an overflow.
+func runQwen(t *testing.T, root, project, target string, window, maxTokens int, maxField string, told int) (agentRun, *recorder) {
 	t.Helper()
 	if maxField != "max_tokens" {
 		t.Fatalf("qwen-code sends max_tokens, not %s", maxField)
