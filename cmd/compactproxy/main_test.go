@@ -360,3 +360,32 @@ func (b *lockedBuffer) String() string {
 	defer b.mu.Unlock()
 	return b.buf.String()
 }
+
+// The start-up log says which Redis deployment the state lives in (a
+// single node, Sentinel or Cluster), without the URL's password.
+func TestStartLogNamesRedisMode(t *testing.T) {
+	for _, c := range []struct{ url, mode string }{
+		{"redis://:pw-RAW@127.0.0.1:6379/0", "single"},
+		{"redis+sentinel://:pw-RAW@127.0.0.1:26379/mymaster", "sentinel"},
+		{"rediss+cluster://:pw-RAW@10.0.0.1:6379,10.0.0.2:6379", "cluster"},
+	} {
+		cfg := config.Default()
+		cfg.Store.Backend = "redis"
+		cfg.Store.Redis.URL = config.Secret(c.url)
+		core, logs := observer.New(zapcore.InfoLevel)
+		zap.New(core).Info("starting", startFields(cfg, "", "127.0.0.1:1")...)
+		fields := logs.All()[0].ContextMap()
+		if got := fields["store_redis_mode"]; got != c.mode {
+			t.Errorf("%s: store_redis_mode = %v, want %s", c.url, got, c.mode)
+		}
+		if strings.Contains(fmt.Sprint(fields), "RAW") {
+			t.Errorf("%s: the start log carries the password: %v", c.url, fields)
+		}
+	}
+	// Another backend names no Redis mode.
+	core, logs := observer.New(zapcore.InfoLevel)
+	zap.New(core).Info("starting", startFields(config.Default(), "", "127.0.0.1:1")...)
+	if _, ok := logs.All()[0].ContextMap()["store_redis_mode"]; ok {
+		t.Error("store_redis_mode logged for the memory backend")
+	}
+}

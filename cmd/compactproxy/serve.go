@@ -14,6 +14,7 @@ import (
 
 	"github.com/compactproxy/compactproxy/internal/config"
 	"github.com/compactproxy/compactproxy/internal/proxy"
+	"github.com/compactproxy/compactproxy/internal/store/redisurl"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spf13/pflag"
 	"go.uber.org/zap"
@@ -102,18 +103,7 @@ func serve(ctx context.Context, cfg config.Config, file string, log *zap.Logger)
 	if err != nil {
 		return fmt.Errorf("listen: %w", err)
 	}
-	log.Info("starting",
-		zap.String("version", version),
-		zap.String("listen", ln.Addr().String()),
-		zap.String("upstream", redactURL(cfg.Upstream.URL)),
-		zap.Bool("upstream_default", cfg.Upstream.URL == config.DefaultUpstreamURL),
-		zap.String("config_file", file),
-		zap.Bool("upstream_api_key_set", cfg.Upstream.APIKey != ""),
-		zap.Int("client_keys", len(cfg.Auth.ClientKeys)),
-		zap.String("compaction_mode", compactionMode(cfg.Compaction)),
-		zap.String("pairing_mode", cfg.Pairing.Mode),
-		zap.String("store_backend", cfg.Store.Backend),
-	)
+	log.Info("starting", startFields(cfg, file, ln.Addr().String())...)
 
 	if to, ok := unversionedUpstream(cfg.Upstream.URL); ok {
 		// Allowed (llama-server also serves un-prefixed paths), but most
@@ -168,6 +158,31 @@ func serveHTTP(ctx context.Context, hs *http.Server, ln net.Listener, timeout ti
 	}
 	log.Info("stopped")
 	return nil
+}
+
+// startFields are the start-up log's fields: what this process serves
+// and how, never a secret.
+func startFields(cfg config.Config, file, listen string) []zap.Field {
+	fields := []zap.Field{
+		zap.String("version", version),
+		zap.String("listen", listen),
+		zap.String("upstream", redactURL(cfg.Upstream.URL)),
+		zap.Bool("upstream_default", cfg.Upstream.URL == config.DefaultUpstreamURL),
+		zap.String("config_file", file),
+		zap.Bool("upstream_api_key_set", cfg.Upstream.APIKey != ""),
+		zap.Int("client_keys", len(cfg.Auth.ClientKeys)),
+		zap.String("compaction_mode", compactionMode(cfg.Compaction)),
+		zap.String("pairing_mode", cfg.Pairing.Mode),
+		zap.String("store_backend", cfg.Store.Backend),
+	}
+	if cfg.Store.Backend == "redis" {
+		// Which deployment: a single node, Sentinel or Cluster (a URL
+		// validation accepted parses; its password is never logged).
+		if u, err := redisurl.Parse(cfg.Store.Redis.URL.Reveal()); err == nil {
+			fields = append(fields, zap.String("store_redis_mode", u.Mode.String()))
+		}
+	}
+	return fields
 }
 
 // redactURL is how a URL appears in logs: scheme, host and path only

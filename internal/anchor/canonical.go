@@ -15,7 +15,7 @@ import (
 	"github.com/compactproxy/compactproxy/internal/chat"
 )
 
-// ErrInvalidJSON is wrapped by every error AppendCanonical and MessageHash
+// ErrInvalidJSON is wrapped by every error MessageHash
 // return: the input is not one valid JSON value.
 var ErrInvalidJSON = errors.New("anchor: invalid JSON")
 
@@ -26,10 +26,10 @@ var ErrInvalidJSON = errors.New("anchor: invalid JSON")
 var ProxyOnlyKeys = []string{"ui_only"}
 
 // maxDepth mirrors encoding/json's scanner limit (10000 nested arrays or
-// objects), so AppendCanonical rejects exactly what json.Valid rejects.
+// objects), so MessageHash rejects exactly what json.Valid rejects.
 const maxDepth = 10000
 
-// AppendCanonical appends the canonical form of the JSON value raw to dst:
+// MessageHash is the SHA-256 of the canonical form of one message raw:
 //   - objects have their members sorted by the decoded key bytes (Go string
 //     order, like encoding/json sorts map keys); when a key repeats, the last
 //     occurrence wins, as in every mainstream JSON parser (and the dropped
@@ -46,28 +46,9 @@ const maxDepth = 10000
 //   - the ProxyOnlyKeys are removed from the top-level object (raw is meant
 //     to be one message; nested objects keep every key).
 //
-// It is one pass over raw; a value that is already canonical is copied
-// nearly as fast as memcpy. Invalid JSON (anything json.Valid rejects)
-// returns dst unchanged and an error wrapping ErrInvalidJSON.
-func AppendCanonical(dst, raw []byte) ([]byte, error) {
-	c := canonPool.Get().(*canonicalizer)
-	out, err := c.run(dst, raw, true)
-	c.release()
-	return out, err
-}
-
-// appendCanonicalValue is AppendCanonical without the removal of the
-// proxy-only keys: for top-level request fields, which are not messages.
-func appendCanonicalValue(dst, raw []byte) ([]byte, error) {
-	c := canonPool.Get().(*canonicalizer)
-	out, err := c.run(dst, raw, false)
-	c.release()
-	return out, err
-}
-
-// MessageHash is the SHA-256 of the canonical form of one message
-// (AppendCanonical). The canonical bytes are built in a pooled buffer, so
-// hashing allocates nothing in the steady state.
+// The canonical form is made in one pass over raw, in a pooled buffer, so
+// hashing allocates nothing in the steady state. Invalid JSON (anything
+// json.Valid rejects) is an error wrapping ErrInvalidJSON.
 func MessageHash(raw []byte) (Digest, error) {
 	c := canonPool.Get().(*canonicalizer)
 	out, err := c.run(c.buf[:0], raw, true)

@@ -3,10 +3,7 @@ package anchor
 import (
 	"crypto/sha256"
 	"encoding/binary"
-	"fmt"
 	"hash"
-
-	"github.com/compactproxy/compactproxy/internal/chat"
 )
 
 // Digest is a 256-bit digest (SHA-256).
@@ -89,22 +86,6 @@ func writeLenPrefixed(h hash.Hash, b []byte) {
 	h.Write(b)
 }
 
-// Chain returns the digest chain of a view whose messages hash to msgs:
-// d[0] = seed, d[i+1] = SHA-256(d[i] || msgs[i]), len(msgs)+1 digests.
-// d[k] identifies the first k messages under that seed. Chaining the
-// per-message hash (rather than the canonical bytes) lets a message be
-// canonicalized and hashed once and reused by every view that contains it;
-// it is as collision-resistant as hashing the bytes, since each link is a
-// fixed 64-byte input.
-func Chain(seed Digest, msgs []Digest) []Digest {
-	out := make([]Digest, len(msgs)+1)
-	out[0] = seed
-	for i := range msgs {
-		out[i+1] = Link(out[i], msgs[i])
-	}
-	return out
-}
-
 // Link is one step of a digest chain: the digest of the view that extends
 // the view whose digest is prev by the message whose hash is msg,
 // SHA-256(prev || msg).
@@ -113,33 +94,4 @@ func Link(prev, msg Digest) Digest {
 	copy(buf[:32], prev[:])
 	copy(buf[32:], msg[:])
 	return sha256.Sum256(buf[:])
-}
-
-// ViewChain computes what EstimateView needs for a view: its digest chain
-// under seed and the local token estimate of each message (est; nil means
-// the default estimator). A message whose HasDigest is set is not hashed
-// again; the others are hashed from Raw and their Digest and HasDigest are
-// filled in place, so a message shared by several views (client's view,
-// compacted view) is hashed once. An invalid message is an error naming
-// its index.
-func ViewChain(seed Digest, msgs []chat.Message, est LocalEstimator) ([]Digest, []int, error) {
-	if est == nil {
-		est = defaultEstimator
-	}
-	chain := make([]Digest, len(msgs)+1)
-	local := make([]int, len(msgs))
-	chain[0] = seed
-	for i := range msgs {
-		m := &msgs[i]
-		if !m.HasDigest {
-			d, err := MessageHash(m.Raw)
-			if err != nil {
-				return nil, nil, fmt.Errorf("anchor: message %d: %w", i, err)
-			}
-			m.Digest, m.HasDigest = d, true
-		}
-		chain[i+1] = Link(chain[i], m.Digest)
-		local[i] = est.Tokens(m)
-	}
-	return chain, local, nil
 }

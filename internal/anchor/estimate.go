@@ -61,7 +61,7 @@ func (a Anchor) AppendRate() (float64, bool) {
 }
 
 // NewAnchor records a measurement for the view whose chain is chain (as
-// returned by ViewChain for the forwarded messages): the prefix is the whole
+// of the forwarded messages, as the proxy computes them): the prefix is the whole
 // view, whose local estimate is local. ok is false when the usage reports no
 // input or the view is empty.
 func NewAnchor(chain []Digest, u Usage, at int64, local int) (Anchor, bool) {
@@ -367,7 +367,7 @@ type Estimate struct {
 
 // EstimateView estimates one view (any view: the client's, a re-applied
 // compaction, a fresh one). chain holds the view's digests d[0..n] under
-// its seed, local[i] the local estimate of message i (both from ViewChain).
+// its seed, local[i] the local estimate of message i (both as the proxy computes them).
 //
 // The longest anchor whose prefix matches the view (PrefixLen ≤ n and
 // chain[PrefixLen] == Prefix) gives the baseline: Tokens = its Input +

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
+	"github.com/compactproxy/compactproxy/internal/anchor/anchortest"
 	"github.com/compactproxy/compactproxy/internal/chat"
 )
 
@@ -59,7 +60,7 @@ var testSeed = anchor.Seed("test/m", nil)
 // chainOf is the client chain the proxy would compute.
 func chainOf(tb testing.TB, msgs []chat.Message) []anchor.Digest {
 	tb.Helper()
-	return anchor.Chain(testSeed, digestsOf(tb, msgs))
+	return anchortest.Chain(testSeed, digestsOf(tb, msgs))
 }
 
 // fakeEstimate: tokens = sum(len(Raw))/4, so tests do not depend on the

@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
+	"github.com/compactproxy/compactproxy/internal/anchor/anchortest"
 	"github.com/compactproxy/compactproxy/internal/chat"
 )
 
@@ -21,7 +22,7 @@ func benchConversation(b *testing.B) ([]chat.Message, []anchor.Digest) {
 		b.Fatalf("conversation is %d bytes", size)
 	}
 	// The proxy has hashed the client's messages before compaction.
-	chain, _, err := anchor.ViewChain(testSeed, msgs, nil)
+	chain, _, err := anchortest.ViewChain(testSeed, msgs, nil)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -31,7 +32,7 @@ func benchConversation(b *testing.B) ([]chat.Message, []anchor.Digest) {
 // anchorEstimate is the proxy's estimator closure without anchors: the
 // view's chain (client messages already hashed) and the local estimate.
 func anchorEstimate(view []chat.Message) anchor.Estimate {
-	chain, local, err := anchor.ViewChain(testSeed, view, nil)
+	chain, local, err := anchortest.ViewChain(testSeed, view, nil)
 	if err != nil {
 		panic(err)
 	}

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
+	"github.com/compactproxy/compactproxy/internal/anchor/anchortest"
 	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
 	"github.com/compactproxy/compactproxy/internal/pairing"
@@ -66,7 +67,7 @@ var testSeed = anchor.Seed("test/m", nil)
 // chainOf is the client chain the proxy would compute.
 func chainOf(tb testing.TB, msgs []chat.Message) []anchor.Digest {
 	tb.Helper()
-	chain, _, err := anchor.ViewChain(testSeed, msgs, nil)
+	chain, _, err := anchortest.ViewChain(testSeed, msgs, nil)
 	if err != nil {
 		tb.Fatal(err)
 	}

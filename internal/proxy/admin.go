@@ -12,6 +12,7 @@ import (
 	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/compaction"
 	"github.com/compactproxy/compactproxy/internal/driver"
+	"github.com/compactproxy/compactproxy/internal/identity"
 	"github.com/compactproxy/compactproxy/internal/store"
 	"github.com/compactproxy/compactproxy/internal/wire"
 	"github.com/go-chi/chi/v5"
@@ -40,23 +41,24 @@ func (s *Server) handlePreview(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	// The chat path's first stages, then a decision that is not sent.
-	cr, err := s.readChat(w, r)
+	ar, err := s.read(w, r)
+	var view checked
 	if err == nil {
-		defer cr.release()
-		err = s.pair(r, cr)
+		defer ar.release()
+		view, err = s.pair(r, ar)
 	}
 	if err != nil {
-		s.answer(w, r, cr, err)
+		s.answer(w, r, ar, err)
 		return
 	}
-	cv := s.identify(r, cr)
+	ident := s.identify(r, ar, view)
 	// A dry run changes nothing and counts nothing; ?summarize=true is a
 	// real summarize, stored and counted like one made by a chat request.
 	summarize := r.URL.Query().Get("summarize") == "true"
-	out, _ := s.driver.Decide(r.Context(), s.driverRequest(r, cr, cv, compaction.PassForward),
+	out, _ := s.driver.Decide(r.Context(), s.driverRequest(r, ar, ident, compaction.PassForward),
 		driver.Mode{Enabled: s.cfg.Compaction.Enabled, Summarize: summarize, Commit: summarize})
-	req := cr.req
-	window := s.windows.GetFor(cr.windowScope())
+	req := ar.req
+	window := s.windows.GetFor(ar.windowScope())
 	resp := previewResponse{
 		Action:          string(out.Action),
 		ContextTokens:   out.Context.Tokens,
@@ -73,11 +75,11 @@ func (s *Server) handlePreview(w http.ResponseWriter, r *http.Request) {
 	var body map[string]json.RawMessage
 	resp.Messages = nil
 	if json.Unmarshal(req.Build(out.Messages, nil), &body) == nil {
-		_ = json.Unmarshal(body[cr.api.HistoryKey], &resp.Messages)
+		_ = json.Unmarshal(body[ar.api.HistoryKey], &resp.Messages)
 	}
-	cr.info.action = resp.Action
+	ar.info.action = resp.Action
 	w.Header().Set("Content-Type", "application/json")
-	w.Header().Set("X-Compactproxy-Conversation-Id", cv.id)
+	w.Header().Set("X-Compactproxy-Conversation-Id", ident.ID)
 	_ = json.NewEncoder(w).Encode(resp)
 }
 
@@ -92,16 +94,16 @@ var errNoConversation = errors.New("no such conversation")
 // exactly like an unknown one: its existence is never revealed.
 func (s *Server) findConversation(r *http.Request) (id, key string, conv store.Conversation, err error) {
 	ref := chi.URLParam(r, "id")
-	tenant := tenantOf(s.tenantSecret, r.Header)
+	tenant := identity.Tenant(s.tenantSecret, r.Header)
 	var ids []string
 	if convIDPattern.MatchString(ref) {
 		ids = append(ids, ref)
 	}
 	if ref != "" {
-		ids = append(ids, headerConversationID(ref))
+		ids = append(ids, identity.HeaderID(ref))
 	}
 	for _, id := range ids {
-		key := storeKey(tenant, id)
+		key := identity.Key(tenant, id)
 		conv, ok, err := s.store.Load(r.Context(), key)
 		if err != nil {
 			return "", "", conv, err

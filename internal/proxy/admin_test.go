@@ -79,23 +79,6 @@ func TestPreviewDialectParam(t *testing.T) {
 	}
 }
 
-// A conversation header is found however the header map spells it:
-// canonicalized by Go's server (Session_id) or as the client wrote it
-// (Codex's session_id).
-func TestConversationHeaderSpellings(t *testing.T) {
-	headers := []string{"X-Compactproxy-Conversation", "Session-Id", "session_id"}
-	for _, h := range []http.Header{{"Session_id": {"codex"}}, {"session_id": {"codex"}}} {
-		r := &http.Request{Header: h}
-		if got := conversationHeader(r, headers); got != "codex" {
-			t.Errorf("header map %v: conversation header %q, want codex", h, got)
-		}
-	}
-	r := &http.Request{Header: http.Header{"Session-Id": {"hyphen"}}}
-	if got := conversationHeader(r, []string{"session_id"}); got != "" {
-		t.Errorf("Session-Id matched the name session_id: %q", got)
-	}
-}
-
 // GET /v1/compactproxy/conversations/{id} shows what compaction stored for
 // the caller's conversation, by the opaque id and by the client's own
 // header value, and nothing to another tenant; the compaction is logged

@@ -1,48 +1,11 @@
 package proxy
 
 import (
-	"crypto/hmac"
-	"crypto/sha256"
 	"crypto/subtle"
-	"encoding/hex"
 	"net/http"
-	"strings"
+
+	"github.com/compactproxy/compactproxy/internal/identity"
 )
-
-// credential returns the client's credential as sent: the Authorization
-// header, else x-api-key, else api-key; "" when none.
-func credential(h http.Header) string {
-	if v := h.Get("Authorization"); v != "" {
-		return v
-	}
-	if v := h.Get("X-Api-Key"); v != "" {
-		return v
-	}
-	return h.Get("Api-Key")
-}
-
-// bareKey strips a "Bearer " prefix.
-func bareKey(cred string) string {
-	if len(cred) > 7 && strings.EqualFold(cred[:7], "bearer ") {
-		return strings.TrimSpace(cred[7:])
-	}
-	return strings.TrimSpace(cred)
-}
-
-// anonymousTenant is the tenant of requests without a credential.
-const anonymousTenant = "anonymous"
-
-// tenantOf derives the tenant from the client's credential: HMAC-SHA-256 with
-// the tenant secret, so raw keys are never stored or compared later.
-func tenantOf(secret []byte, h http.Header) string {
-	c := credential(h)
-	if c == "" {
-		return anonymousTenant
-	}
-	m := hmac.New(sha256.New, secret)
-	m.Write([]byte(bareKey(c)))
-	return "t:" + hex.EncodeToString(m.Sum(nil))
-}
 
 // clientAuth enforces auth.client_keys when the proxy holds the upstream key,
 // so a proxy in front of a hosted API is not an open relay for that key.
@@ -57,7 +20,7 @@ func (a *clientAuth) allow(h http.Header) bool {
 	if !a.required || a.allowAnonymous {
 		return true
 	}
-	k := []byte(bareKey(credential(h)))
+	k := []byte(identity.BareKey(identity.Credential(h)))
 	if len(k) == 0 {
 		return false
 	}

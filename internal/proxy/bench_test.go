@@ -11,6 +11,7 @@ import (
 	"github.com/compactproxy/compactproxy/internal/chat/chattest"
 	"github.com/compactproxy/compactproxy/internal/compaction"
 	"github.com/compactproxy/compactproxy/internal/config"
+	"github.com/compactproxy/compactproxy/internal/identity"
 	"github.com/compactproxy/compactproxy/internal/pairing"
 	"github.com/compactproxy/compactproxy/internal/upstream"
 	"github.com/prometheus/client_golang/prometheus"
@@ -166,7 +167,7 @@ func BenchmarkAgentSteps(b *testing.B) {
 			b.Fatal(err)
 		}
 		b.Cleanup(func() { srv.Close() })
-		srv.parses = newParseCache(0)
+		srv.ids = identity.New(srv.upstreamName, srv.local, 0)
 		return srv.Handler()
 	}
 	for _, target := range []struct {

@@ -9,6 +9,8 @@ import (
 	"os"
 	"syscall"
 	"time"
+
+	"github.com/compactproxy/compactproxy/internal/bufpool"
 )
 
 // errBodyTooLarge is returned by readBody when limits.max_body_bytes is hit.
@@ -28,7 +30,7 @@ const (
 // with the bytes received (doubling, by pool size class, so a megabyte body
 // costs a few copies at most). A declared Content-Length over the limit is
 // refused before a byte is read. The caller releases the returned buffer.
-func readBody(r *http.Request, limit int64) (*pooledBody, error) {
+func readBody(r *http.Request, limit int64) (*bufpool.Body, error) {
 	declared := r.ContentLength
 	if limit > 0 && declared > limit {
 		return nil, errBodyTooLarge
@@ -37,15 +39,15 @@ func readBody(r *http.Request, limit int64) (*pooledBody, error) {
 	if declared > 0 {
 		size = int(min(declared, maxUpfront))
 	}
-	pb := getBody(size)
+	pb := bufpool.Get(size)
 	n := 0
 	for {
-		if n == len(pb.buf) {
+		if n == len(pb.Buf) {
 			if declared > 0 && int64(n) >= declared {
 				break // every declared byte arrived (net/http enforces the length)
 			}
 			if limit > 0 && int64(n) > limit {
-				pb.release()
+				pb.Release()
 				return nil, errBodyTooLarge
 			}
 			next := int64(2 * n)
@@ -55,23 +57,23 @@ func readBody(r *http.Request, limit int64) (*pooledBody, error) {
 			if limit > 0 {
 				next = min(next, limit+1) // one byte past the limit proves it too large
 			}
-			pb = pb.grow(int(next), n)
+			pb = pb.Grow(int(next), n)
 		}
-		m, err := r.Body.Read(pb.buf[n:])
+		m, err := r.Body.Read(pb.Buf[n:])
 		n += m
 		if err == io.EOF {
 			break
 		}
 		if err != nil {
-			pb.release()
+			pb.Release()
 			return nil, err
 		}
 	}
 	if limit > 0 && int64(n) > limit {
-		pb.release()
+		pb.Release()
 		return nil, errBodyTooLarge
 	}
-	pb.buf = pb.buf[:n]
+	pb.Buf = pb.Buf[:n]
 	return pb, nil
 }
 
@@ -79,7 +81,7 @@ func readBody(r *http.Request, limit int64) (*pooledBody, error) {
 // connection's read deadline bounds the upload (a client that trickles its
 // body gets 408), and is cleared afterwards so a long generation is not cut.
 // Writers without deadlines (tests' recorders) read without one.
-func readBodyWithin(w http.ResponseWriter, r *http.Request, limit int64, timeout time.Duration) (*pooledBody, error) {
+func readBodyWithin(w http.ResponseWriter, r *http.Request, limit int64, timeout time.Duration) (*bufpool.Body, error) {
 	if timeout > 0 {
 		rc := http.NewResponseController(w)
 		if rc.SetReadDeadline(time.Now().Add(timeout)) == nil {

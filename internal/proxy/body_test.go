@@ -90,9 +90,9 @@ func TestBodyReadGrowsToWhatArrives(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				defer pb.release()
-				if string(pb.buf) != string(body) {
-					t.Fatalf("read %d bytes, not the %d sent", len(pb.buf), size)
+				defer pb.Release()
+				if string(pb.Buf) != string(body) {
+					t.Fatalf("read %d bytes, not the %d sent", len(pb.Buf), size)
 				}
 			})
 		}

@@ -7,43 +7,48 @@ import (
 	"time"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
+	"github.com/compactproxy/compactproxy/internal/bufpool"
 	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
+	"github.com/compactproxy/compactproxy/internal/identity"
 	"github.com/compactproxy/compactproxy/internal/upstream"
 	"github.com/compactproxy/compactproxy/internal/wire"
 	"go.uber.org/zap"
 )
 
-// handleChat is POST /v1/chat/completions, one stage per line (DESIGN §
-// Request path): read and parse the body, check tool pairing, identify the
-// conversation, compact, report the decision, send it upstream, recover
-// once from an overflow answer, relay the answer while recording the
+// handleAPI is POST on a compacted route (Chat Completions, Responses,
+// Messages), one stage per line (DESIGN § Request path), each taking what
+// the one before returned: read and parse the body, check tool pairing
+// (the checked view), identify the conversation, compact (the decision),
+// report it, send it upstream, recover once from an overflow answer (a
+// second decision, sent once more), relay the answer while recording the
 // usage it reports. A stage that ends the request returns an error; answer
 // writes it, whatever its kind, in one place.
-func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
+func (s *Server) handleAPI(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
-	cr, err := s.readChat(w, r) // read → parse
+	ar, err := s.read(w, r) // read → parse
 	if err != nil {
 		s.answer(w, r, nil, err)
 		return
 	}
-	defer cr.release()
-	if err := s.pair(r, cr); err != nil {
-		s.answer(w, r, cr, err)
+	defer ar.release()
+	view, err := s.pair(r, ar)
+	if err != nil {
+		s.answer(w, r, ar, err)
 		return
 	}
-	cv := s.identify(r, cr)
-	s.compactChat(ctx, r, cr, cv, compaction.PassForward)
-	s.report(cr, cv, compaction.PassForward)
-	resp, err := s.send(ctx, cr)
-	if s.recoverOnce(ctx, r, cr, cv, err) {
-		resp, err = s.send(ctx, cr)
+	ident := s.identify(r, ar, view)
+	dec := s.compact(ctx, r, ar, ident, compaction.PassForward)
+	s.report(ar, ident, dec, compaction.PassForward)
+	rp, err := s.send(ctx, ar, attempt{dec: dec, inject: s.usageOption(ar.api, ar.req), first: true})
+	if again, ok := s.recoverOnce(ctx, r, ar, ident, rp.at, err); ok {
+		rp, err = s.send(ctx, ar, attempt{dec: again, inject: rp.at.inject})
 	}
 	if err != nil {
-		s.answer(w, r, cr, err)
+		s.answer(w, r, ar, err)
 		return
 	}
-	s.relay(w, r, cr, resp, func(u anchor.Usage) { s.record(ctx, r, cr, cv, u) })
+	s.relay(w, r, ar, rp, func(u anchor.Usage) { s.recordUsage(ctx, r, ar, ident, rp.at.dec, u) })
 }
 
 // writeUnauthorized answers a client without a key this proxy accepts.
@@ -70,8 +75,8 @@ type (
 func (e *clientError) Error() string { return e.detail }
 
 // answer ends a request with err: the one place where a stage's error
-// becomes an answer. cr is nil before the request was parsed.
-func (s *Server) answer(w http.ResponseWriter, r *http.Request, cr *chatRequest, err error) {
+// becomes an answer. ar is nil before the request was parsed.
+func (s *Server) answer(w http.ResponseWriter, r *http.Request, ar *apiRequest, err error) {
 	ri := infoFrom(r.Context())
 	api := apiOf(r)
 	var (
@@ -86,7 +91,7 @@ func (s *Server) answer(w http.ResponseWriter, r *http.Request, cr *chatRequest,
 	case errors.As(err, &be):
 		s.answerBodyError(w, r, be.error)
 	case errors.As(err, &ua):
-		s.writeHeaders(w, cr, ua.Header)
+		s.writeHeaders(w, ar, ua.Header)
 		w.WriteHeader(ua.Status)
 		_, _ = w.Write(ua.Body)
 	case errors.Is(err, errClientGone) || r.Context().Err() != nil:
@@ -100,9 +105,11 @@ func (s *Server) answer(w http.ResponseWriter, r *http.Request, cr *chatRequest,
 	}
 }
 
-// chatRequest is one client request on its way through the proxy: data
-// only, filled by the stages in order.
-type chatRequest struct {
+// apiRequest is one client request of a compacted route on its way
+// through the proxy, as read: data only, set by read and not changed after
+// (the stages pass what they make as values: checked, identified,
+// decision, attempt, reply).
+type apiRequest struct {
 	api *wire.API // the API the client speaks (the route)
 	// query is the client's query string, forwarded with the request
 	// (Claude Code's ?beta=true, Azure's ?api-version=).
@@ -110,70 +117,95 @@ type chatRequest struct {
 	start   time.Time
 	reqID   string // the proxy's request id (logs, X-Request-Id)
 	req     *chat.Request
-	info    *chatInfo   // the access log's chat fields
+	info    *apiInfo    // the access log's request fields
 	headers http.Header // upstream headers
-	tenant  string
-	parsed  parsed
-	seedIn  seedInput // set by identify
-	// pairingClean: the parsed messages passed the pairing check with no
-	// violation (remembered by the parse cache entry of this body).
-	pairingClean bool
-	// forward is the view that will be sent; unchanged reports whether it
-	// is byte-for-byte the client's body (the fast path).
-	forward   []chat.Message
-	client    []chat.Message // the client's provider-visible view (after pairing repair)
-	unchanged bool
-	// compact: compaction applies to this request (enabled, no bypass).
-	compact bool
+	parse   identity.Parse
 	// opaque: the upstream holds the history (a Responses request with
 	// previous_response_id): no pairing check, compaction or anchor, the
 	// body passes as it came.
 	opaque bool
-	// selfCompaction: the agent's own compaction request, forwarded whole
-	// while it fits the window (selfCompaction).
-	selfCompaction bool
-	// decision is the compaction decision forward carries (compactChat);
-	// decisionSpent the time that decision waited for a summary.
-	decision      compaction.Output
-	decisionSpent time.Duration
-	// inject is the field the proxy added to ask the stream for its
-	// usage (usageOption; nil: none), so the usage must not reach the
-	// client.
-	inject []chat.Field
-	// sent: the request went upstream once (a resend is recovery);
-	// upStart is when the answer being relayed was asked for.
-	sent    bool
-	upStart time.Time
-	// spent is time spent in summarize calls, excluded from overhead.
-	spent time.Duration
 	// pb is the pooled buffer the client's body was read into (nil when
 	// not pooled); outgoing bodies that point into it are tracked.
-	pb *pooledBody
+	pb *bufpool.Body
 	// respHeaders are extra headers for the client (X-Compactproxy-*).
 	respHeaders http.Header
 }
 
-// windowScope is the scope of cr's window: its tenant, model and
+// checked is the pair stage's result: the client's view after the
+// pairing check (repaired in repair mode).
+type checked struct {
+	msgs []chat.Message
+	// clean: msgs are the parsed messages and passed the check with no
+	// violation (remembered with the parse for the tenant's next body).
+	clean bool
+	// unchanged: msgs are byte-for-byte the client's body (the fast path).
+	unchanged bool
+}
+
+// identified is the identify stage's result: the request's conversation,
+// the checked view, and whether compaction applies.
+type identified struct {
+	*identity.Conversation
+	view checked
+	// compacting: compaction applies to this request (enabled, no bypass,
+	// not opaque).
+	compacting bool
+	// selfCompaction: the agent's own compaction request, forwarded whole
+	// while it fits the window (selfCompaction).
+	selfCompaction bool
+}
+
+// decision is the compact stage's result: the planner's output, the view
+// to forward and the time it waited for a summary.
+type decision struct {
+	out     compaction.Output
+	forward []chat.Message
+	// unchanged: forward is byte-for-byte the client's body.
+	unchanged bool
+	spent     time.Duration
+}
+
+// attempt is one send: what differs between the first send and the
+// recovery's resend (the decided view, the usage field the proxy injects
+// to ask the stream for its usage, nil: none, so the usage must not reach
+// the client).
+type attempt struct {
+	dec    decision
+	inject []chat.Field
+	// first: the request path's first send (its overhead is measured).
+	first bool
+}
+
+// reply is a send's result: the attempt as sent (the stream_options
+// fallback drops inject), the upstream's successful response (nil after
+// an error) and when it was asked for.
+type reply struct {
+	at    attempt
+	resp  *http.Response
+	start time.Time
+}
+
+// windowScope is the scope of ar's window: its tenant, model and
 // window-shaping headers (upstream.Scope).
-func (cr *chatRequest) windowScope() upstream.Scope {
-	return upstream.Scope{Tenant: cr.tenant, Model: cr.req.Model, Shape: upstream.WindowShape(cr.headers)}
+func (ar *apiRequest) windowScope() upstream.Scope {
+	return upstream.Scope{Tenant: ar.parse.Tenant, Model: ar.req.Model, Shape: upstream.WindowShape(ar.headers)}
 }
 
 // release returns the request's body buffer to its pool (the request is
 // over).
-func (cr *chatRequest) release() { cr.pb.release() }
+func (ar *apiRequest) release() { ar.pb.Release() }
 
-// readChat authorizes, reads and parses a chat-completions body (chat and
-// preview): 401, 413, 408, 400 in OpenAI's envelope, or 499 for a client
-// that went away mid-upload, as the error.
+// read authorizes, reads and parses the body of a compacted route (and
+// of the preview): 401, 413, 408, 400 in the API's envelope, or 499 for a
+// client that went away mid-upload, as the error.
 //
-// The body is parsed after the tenant's most similar recent body when one
-// shares leading messages with it (parseCache): those are not scanned,
-// hashed or chained again. The request's parsed says which.
+// A chat-completions body is parsed after the tenant's most similar
+// recent body when one shares leading messages with it
+// (identity.ParseChat): those are not scanned, hashed or chained again.
 //
 // The body buffer may be pooled: the caller calls release when the request
 // is over.
-func (s *Server) readChat(w http.ResponseWriter, r *http.Request) (*chatRequest, error) {
+func (s *Server) read(w http.ResponseWriter, r *http.Request) (*apiRequest, error) {
 	start := time.Now()
 	if !s.auth.allow(r.Header) {
 		return nil, &clientError{status: http.StatusUnauthorized, typ: "invalid_request_error", code: "invalid_api_key",
@@ -183,47 +215,37 @@ func (s *Server) readChat(w http.ResponseWriter, r *http.Request) (*chatRequest,
 	if err != nil {
 		return nil, bodyError{err}
 	}
-	ps := parsed{tenant: tenantOf(s.tenantSecret, r.Header)}
+	tenant := identity.Tenant(s.tenantSecret, r.Header)
 	api := apiOf(r)
 	var (
-		req    *chat.Request
-		reused int
+		req *chat.Request
+		ps  = identity.Parse{Tenant: tenant}
 	)
 	if api.Dialect == chat.DialectChat {
-		ps.key = s.parses.key(ps.tenant, conversationHeader(r, s.cfg.Compaction.ConversationHeaders), pb.buf)
-		ps.from = s.parses.lookup(ps.key, pb.buf)
-		var snap *chat.Snapshot
-		if ps.from != nil {
-			snap = ps.from.snap
-		}
-		req, reused, err = chat.ParseAfter(pb.buf, snap)
+		req, ps, err = s.ids.ParseChat(tenant, identity.Header(r.Header, s.cfg.Compaction.ConversationHeaders), pb.Buf)
 	} else {
 		// A Responses or Messages body is mapped to the chat model; its
 		// items' bytes are its own (a background summary renders them
 		// after this request is over), so the pooled buffer goes back now.
-		own := bytes.Clone(pb.buf)
-		pb.release()
+		own := bytes.Clone(pb.Buf)
+		pb.Release()
 		pb = nil
 		req, err = chat.ParseDialect(api.Dialect, own)
 	}
 	if err != nil {
-		pb.release()
+		pb.Release()
 		var pe *chat.ParseError
 		if errors.As(err, &pe) {
 			return nil, &clientError{status: http.StatusBadRequest, typ: "invalid_request_error", param: pe.Param, detail: pe.Message}
 		}
 		return nil, &clientError{status: http.StatusBadRequest, typ: "invalid_request_error", detail: err.Error()}
 	}
-	ps.reused = reused
-	if reused == 0 {
-		ps.from = nil
-	}
-	ci := &chatInfo{model: req.Model, stream: req.Stream, messages: len(req.Messages), action: "none"}
-	infoFrom(r.Context()).chat = ci
+	ci := &apiInfo{model: req.Model, stream: req.Stream, messages: len(req.Messages), action: "none"}
+	infoFrom(r.Context()).api = ci
 	if req.UIOnlyRemoved > 0 {
 		s.metrics.UIOnlyRemoved.Add(float64(req.UIOnlyRemoved))
 	}
-	cr := &chatRequest{
+	ar := &apiRequest{
 		api:         api,
 		query:       r.URL.RawQuery,
 		start:       start,
@@ -232,24 +254,12 @@ func (s *Server) readChat(w http.ResponseWriter, r *http.Request) (*chatRequest,
 		info:        ci,
 		pb:          pb,
 		headers:     s.up.Header(r.Header, s.ownHeaders()...),
-		tenant:      ps.tenant,
-		parsed:      ps,
-		forward:     req.Messages,
-		unchanged:   req.Unchanged(req.Messages),
+		parse:       ps,
+		opaque:      api.HistoryUpstream(req),
 		respHeaders: http.Header{},
 	}
-	cr.respHeaders.Set("X-Compactproxy-Compaction", "none")
-	cr.opaque = api.HistoryUpstream(req)
-	return cr, nil
-}
-
-// parsed is how a request's body was parsed: the tenant, its parse cache
-// key, and the entry whose first reused messages it took (nil: none).
-type parsed struct {
-	tenant string
-	key    parseKey
-	from   *parseEntry
-	reused int
+	ar.respHeaders.Set("X-Compactproxy-Compaction", "none")
+	return ar, nil
 }
 
 // ownHeaders are the request headers meant for the proxy alone: its own
@@ -271,16 +281,17 @@ func (s *Server) usageOption(api *wire.API, req *chat.Request) []chat.Field {
 	if !ok || s.cfg.Upstream.StreamUsage == "never" {
 		return nil
 	}
-	if s.cfg.Upstream.StreamUsage != "always" && s.up.NoStreamOptions.Unsupported(s.modelIdentity(req.Model)) {
+	if s.cfg.Upstream.StreamUsage != "always" && s.up.NoStreamOptions.Unsupported(s.ids.ModelIdentity(req.Model)) {
 		return nil
 	}
 	return []chat.Field{f}
 }
 
-// body builds the upstream body for the current view.
-func (cr *chatRequest) body() []byte {
-	if cr.unchanged && cr.inject == nil {
-		return cr.req.Body
+// body is the upstream body of at: the client's own bytes when nothing
+// changed, else the decided view rendered in the client's API.
+func (ar *apiRequest) body(at attempt) []byte {
+	if at.dec.unchanged && at.inject == nil {
+		return ar.req.Body
 	}
-	return cr.req.Build(cr.forward, cr.inject)
+	return ar.req.Build(at.dec.forward, at.inject)
 }

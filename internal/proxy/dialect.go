@@ -8,7 +8,7 @@ import (
 	"github.com/compactproxy/compactproxy/internal/wire"
 )
 
-// One pipeline (handleChat), one planner, one state, one set of metrics
+// One pipeline (handleAPI), one planner, one state, one set of metrics
 // serve every API of wire.APIs (DESIGN § Other APIs). What differs per API
 // is internal/wire's; parsing and rendering are internal/chat's
 // (ParseDialect, Request.Build). Here: which API a request speaks.

@@ -9,80 +9,22 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/compactproxy/compactproxy/internal/bufpool"
 )
-
-func TestIdlePool(t *testing.T) {
-	p := newIdlePool[int](2, 100, 30*time.Millisecond)
-	if _, ok := p.get(0); ok {
-		t.Fatal("empty pool gave an entry")
-	}
-	p.put(0, 1, 40)
-	p.put(0, 2, 40)
-	p.put(1, 3, 40) // over the bound: left to the GC
-	if got := p.bytes(); got != 80 {
-		t.Fatalf("held %d bytes, want 80", got)
-	}
-	if v, ok := p.get(1); ok {
-		t.Fatalf("an entry over the bound was kept: %d", v)
-	}
-	if v, _ := p.get(0); v != 2 {
-		t.Fatalf("get = %d, want the most recent (2)", v)
-	}
-	p.put(1, 4, 40)
-	// Unused for the ttl, everything goes, and the timer with it.
-	deadline := time.Now().Add(5 * time.Second)
-	for p.bytes() != 0 && time.Now().Before(deadline) {
-		time.Sleep(5 * time.Millisecond)
-	}
-	p.mu.Lock()
-	held, timer := p.held, p.timer
-	p.mu.Unlock()
-	if held != 0 || timer != nil {
-		t.Fatalf("after the ttl: %d bytes held, timer %v", held, timer)
-	}
-	for c := range 2 {
-		if v, ok := p.get(c); ok {
-			t.Fatalf("class %d kept %d past the ttl", c, v)
-		}
-	}
-}
-
-// An entry put later than the others survives their sweep.
-func TestIdlePoolSweepsOnlyTheIdle(t *testing.T) {
-	p := newIdlePool[int](1, 100, 60*time.Millisecond)
-	p.put(0, 1, 1)
-	time.Sleep(40 * time.Millisecond)
-	p.put(0, 2, 1)
-	deadline := time.Now().Add(5 * time.Second)
-	for p.bytes() != 1 && time.Now().Before(deadline) {
-		time.Sleep(2 * time.Millisecond)
-	}
-	if v, ok := p.get(0); !ok || v != 2 {
-		t.Fatalf("after the first entry's ttl: get = %d, %v; want the later entry (2)", v, ok)
-	}
-}
 
 // shortPoolIdle makes the proxy's pools forget idle buffers after d.
 func shortPoolIdle(t *testing.T, d time.Duration) {
-	setTTL := func(d time.Duration) (prev [2]time.Duration) {
-		bodyPool.mu.Lock()
-		prev[0], bodyPool.ttl = bodyPool.ttl, d
-		bodyPool.mu.Unlock()
-		readerPool.mu.Lock()
-		prev[1], readerPool.ttl = readerPool.ttl, d
-		readerPool.mu.Unlock()
-		return prev
-	}
-	prev := setTTL(d)
-	t.Cleanup(func() { setTTL(prev[0]); readerPool.mu.Lock(); readerPool.ttl = prev[1]; readerPool.mu.Unlock() })
+	prevBody, prevReader := bufpool.Bodies.TTL.Swap(int64(d)), readerPool.TTL.Swap(int64(d))
+	t.Cleanup(func() { bufpool.Bodies.TTL.Store(prevBody); readerPool.TTL.Store(prevReader) })
 }
 
 // waitPoolsIdle waits until the proxy's pools hold nothing.
 func waitPoolsIdle(t *testing.T) {
 	deadline := time.Now().Add(10 * time.Second)
-	for bodyPool.bytes() != 0 || readerPool.bytes() != 0 {
+	for bufpool.Bodies.Held.Load() != 0 || readerPool.Held.Load() != 0 {
 		if time.Now().After(deadline) {
-			t.Fatalf("pools still hold %d bytes of bodies and %d of readers", bodyPool.bytes(), readerPool.bytes())
+			t.Fatalf("pools still hold %d bytes of bodies and %d of readers", bufpool.Bodies.Held.Load(), readerPool.Held.Load())
 		}
 		time.Sleep(10 * time.Millisecond)
 	}

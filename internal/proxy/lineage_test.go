@@ -10,6 +10,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/compactproxy/compactproxy/internal/identity"
 )
 
 // workerStep appends a tool call and a result that names the worker, so
@@ -133,7 +135,7 @@ func TestAnchorRecordedDuringSummarizeKept(t *testing.T) {
 	}
 	<-done
 	cv := resp.Header.Get("X-Compactproxy-Conversation-Id")
-	key := storeKey(tenantOf(p.srv.tenantSecret, http.Header{"Authorization": {"Bearer k"}}), cv)
+	key := identity.Key(identity.Tenant(p.srv.tenantSecret, http.Header{"Authorization": {"Bearer k"}}), cv)
 	conv, ok, err := p.srv.store.Load(context.Background(), key)
 	if err != nil || !ok {
 		t.Fatalf("state not found: %v", err)
@@ -336,7 +338,7 @@ func TestAnchorsCarryTheAppendedMessagesCost(t *testing.T) {
 		cv = p.chatOK(t, a.body()).Header.Get("X-Compactproxy-Conversation-Id")
 		sizes = append(sizes, len(a.body())/4)
 	}
-	key := storeKey(tenantOf(p.srv.tenantSecret, http.Header{"Authorization": {"Bearer k"}}), cv)
+	key := identity.Key(identity.Tenant(p.srv.tenantSecret, http.Header{"Authorization": {"Bearer k"}}), cv)
 	conv, ok, err := p.srv.store.Load(context.Background(), key)
 	if err != nil || !ok || len(conv.Anchors) == 0 {
 		t.Fatalf("state not found: %v", err)

@@ -54,7 +54,7 @@ type reqInfo struct {
 	route    string
 	status   int // overrides the written status (499 for a client that left)
 	upstream time.Duration
-	chat     *chatInfo
+	api      *apiInfo // set on the compacted routes
 	// aborted: the response was broken off (http.ErrAbortHandler) after the
 	// upstream broke off its stream; the status written is not the end.
 	aborted bool
@@ -64,8 +64,9 @@ type reqInfo struct {
 	bodyTimedOut atomic.Bool
 }
 
-// chatInfo is the chat-specific part of the access log. Never content.
-type chatInfo struct {
+// apiInfo is the access log's part for a compacted route (chat,
+// responses, messages). Never content.
+type apiInfo struct {
 	model           string
 	stream          bool
 	messages        int
@@ -131,16 +132,16 @@ func observe(route string, log *zap.Logger, m *metrics.Metrics, next http.Handle
 				}
 				ri.aborted = true
 			}
-			record(log, m, route, r, sw, ri, start)
+			logRequest(log, m, route, r, sw, ri, start)
 			panic(v)
 		}()
 		next.ServeHTTP(sw, r.WithContext(context.WithValue(r.Context(), ctxKey{}, ri)))
-		record(log, m, route, r, sw, ri, start)
+		logRequest(log, m, route, r, sw, ri, start)
 	})
 }
 
-// record writes the access log line and counts http_requests_total.
-func record(log *zap.Logger, m *metrics.Metrics, route string, r *http.Request, sw *statusWriter, ri *reqInfo, start time.Time) {
+// logRequest writes the access log line and counts http_requests_total.
+func logRequest(log *zap.Logger, m *metrics.Metrics, route string, r *http.Request, sw *statusWriter, ri *reqInfo, start time.Time) {
 	id := ri.id
 	status := sw.status
 	if status == 0 {
@@ -173,7 +174,7 @@ func record(log *zap.Logger, m *metrics.Metrics, route string, r *http.Request, 
 	if ri.upstream > 0 {
 		fields = append(fields, zap.Duration("upstream_duration", ri.upstream))
 	}
-	if c := ri.chat; c != nil {
+	if c := ri.api; c != nil {
 		fields = append(fields,
 			zap.String("model", c.model),
 			zap.Bool("stream", c.stream),

@@ -10,29 +10,29 @@ import (
 	"go.uber.org/zap"
 )
 
-// pair applies pairing.mode to the client's view: in strict mode a
-// violation is the client's error (400 invalid_tool_pairing, the first
-// violation in message order); in repair mode the view is repaired.
+// pair is the pair stage: pairing.mode applied to the client's view,
+// which it returns checked. In strict mode a violation is the client's
+// error (400 invalid_tool_pairing, the first violation in message order);
+// in repair mode the view is repaired.
 //
 // A body whose messages are all, and only, those of the parse cache entry
-// it was parsed after has that entry's verdict: Check is a function of
-// the messages' bytes, and an entry remembers only a clean one.
-func (s *Server) pair(r *http.Request, cr *chatRequest) error {
-	ci := cr.info
-	mode := s.cfg.Pairing.Mode
-	msgs := cr.forward
-	if cr.opaque {
-		return nil // the turn's calls are in the upstream's stored response
+// it was parsed after has that entry's verdict (identity.Parse.PairingClean).
+func (s *Server) pair(r *http.Request, ar *apiRequest) (checked, error) {
+	ci := ar.info
+	msgs := ar.req.Messages
+	view := checked{msgs: msgs, unchanged: ar.req.Unchanged(msgs)}
+	if ar.opaque {
+		return view, nil // the turn's calls are in the upstream's stored response
 	}
-	if e := cr.parsed.from; e != nil && e.pairingClean && cr.parsed.reused == len(msgs) && e.snap.Len() == len(msgs) && sameView(msgs, cr.req.Messages) {
-		cr.pairingClean = true
-		return nil
+	if ar.parse.PairingClean(ar.req, msgs) {
+		view.clean = true
+		return view, nil
 	}
 	pv := compaction.PairingView(msgs)
 	vs := pairing.Check(pv)
 	if len(vs) == 0 {
-		cr.pairingClean = sameView(msgs, cr.req.Messages)
-		return nil
+		view.clean = true
+		return view, nil
 	}
 	kinds := make([]string, 0, len(vs))
 	for _, v := range vs {
@@ -40,29 +40,28 @@ func (s *Server) pair(r *http.Request, cr *chatRequest) error {
 		kinds = append(kinds, string(v.Kind))
 	}
 	ri := infoFrom(r.Context())
-	switch mode {
+	switch s.cfg.Pairing.Mode {
 	case "off":
-		return nil
+		return view, nil
 	case "repair":
 		_, removed := pairing.Repair(pv)
-		cr.forward = applyRemovals(msgs, removed)
-		cr.unchanged = false
-		cr.respHeaders.Set("X-Compactproxy-Pairing", "repaired")
+		view = checked{msgs: applyRemovals(msgs, removed)}
+		ar.respHeaders.Set("X-Compactproxy-Pairing", "repaired")
 		ci.pairing = "repaired"
 		s.log.Info("pairing repaired", zap.String("request_id", ri.id), zap.Strings("kinds", kinds), zap.Int("removed", len(removed)))
-		return nil
+		return view, nil
 	}
 	v := vs[0]
 	idx := v.Index
 	param := fmt.Sprintf("messages[%d]", idx)
 	if idx >= 0 && idx < len(msgs) {
 		idx = msgs[idx].Index
-		param = cr.api.PairingParam(cr.req, idx) // the client's item, not the chat message
+		param = ar.api.PairingParam(ar.req, idx) // the client's item, not the chat message
 	}
 	ci.pairing = "rejected"
 	s.log.Info("pairing violation", zap.String("request_id", ri.id), zap.Strings("kinds", kinds))
-	return &clientError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "invalid_tool_pairing",
-		param: param, detail: cr.api.DescribePairing(v, param, idx)}
+	return checked{}, &clientError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "invalid_tool_pairing",
+		param: param, detail: ar.api.DescribePairing(v, param, idx)}
 }
 
 // applyRemovals applies pairing.Repair's removals to the chat messages:

@@ -14,6 +14,7 @@ import (
 	"github.com/compactproxy/compactproxy/internal/compaction"
 	"github.com/compactproxy/compactproxy/internal/config"
 	"github.com/compactproxy/compactproxy/internal/driver"
+	"github.com/compactproxy/compactproxy/internal/identity"
 	"github.com/compactproxy/compactproxy/internal/metrics"
 	"github.com/compactproxy/compactproxy/internal/store"
 	"github.com/compactproxy/compactproxy/internal/upstream"
@@ -23,10 +24,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.uber.org/zap"
 )
-
-// digestCacheEntries bounds the message-digest cache (about 100 bytes an
-// entry: ~20 MB at most).
-const digestCacheEntries = 200000
 
 // Server is the proxy. Build it with New, serve Handler, call Start to begin
 // background work (context-window discovery) and Close when done.
@@ -51,8 +48,8 @@ type Server struct {
 	impossible   onceSet // conversations warned about a fixed part over the budget
 	local        anchor.LocalEstimator
 	driver       *driver.Driver
-	digests      *digestCache
-	parses       *parseCache
+	// ids derives conversations' identities (tenant, id, key, chains).
+	ids *identity.Identifier
 	// summarizerIsUpstream: the summarizer is the chat upstream itself, so
 	// the client's own credentials may be used for it.
 	summarizerIsUpstream bool
@@ -99,8 +96,7 @@ func New(cfg config.Config, log *zap.Logger, reg *prometheus.Registry) (*Server,
 	}
 	s.calibration = anchor.NewCalibration(1024)
 	s.local = anchor.NewLocalEstimator()
-	s.digests = newDigestCache(digestCacheEntries)
-	s.parses = newParseCache(parseCacheBytes)
+	s.ids = identity.New(s.upstreamName, s.local, identity.ParseCacheBytes)
 	dc := driver.Config{
 		ReserveTokens:     cfg.Compaction.ReserveTokens,
 		Store:             s.store,
@@ -134,7 +130,7 @@ func (s *Server) routes(reg *prometheus.Registry) http.Handler {
 	// (a stored response, count_tokens, /v1/responses/compact) pass
 	// through.
 	for _, api := range wire.APIs {
-		r.Method(http.MethodPost, api.Route, wrap(api.Dialect.String(), s.handleChat))
+		r.Method(http.MethodPost, api.Route, wrap(api.Dialect.String(), s.handleAPI))
 	}
 	r.Method(http.MethodPost, "/v1/compactproxy/preview", wrap("preview", s.handlePreview))
 	r.Method(http.MethodGet, "/v1/compactproxy/conversations/{id}", wrap("admin", s.handleConversation))

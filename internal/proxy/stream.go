@@ -9,6 +9,7 @@ import (
 	"net/http"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
+	"github.com/compactproxy/compactproxy/internal/bufpool"
 	"github.com/compactproxy/compactproxy/internal/wire"
 )
 
@@ -16,9 +17,9 @@ import (
 // otherwise be an allocation per request. 16 KiB holds any ordinary event
 // (longer lines are assembled by wire.ReadLine); at 64 KiB, the 1,000
 // concurrent streams of make soak would hold 64 MiB in readers alone. An
-// idlePool (one class): at most readerPoolBytes of idle readers (1,024),
-// none after bodyPoolIdle without a stream ending.
-var readerPool = newIdlePool[*bufio.Reader](1, readerPoolBytes, bodyPoolIdle)
+// bufpool.Pool (one class): at most readerPoolBytes of idle readers
+// (1,024), none after bufpool.Idle without a stream ending.
+var readerPool = bufpool.New[*bufio.Reader](1, readerPoolBytes, bufpool.Idle)
 
 const (
 	streamReaderSize = 16 << 10
@@ -51,12 +52,12 @@ var errEndedEarly = fmt.Errorf("proxy: upstream stream ended early: %w", io.ErrU
 // that ends the stream is written, so the client's next request sees the
 // anchor.
 func relayEvents(w io.Writer, body io.Reader, sr wire.Stream, onUsage func(anchor.Usage)) error {
-	br, ok := readerPool.get(0)
+	br, ok := readerPool.Get(0)
 	if !ok {
 		br = bufio.NewReaderSize(nil, streamReaderSize)
 	}
 	br.Reset(body)
-	defer func() { br.Reset(nil); readerPool.put(0, br, streamReaderSize) }()
+	defer func() { br.Reset(nil); readerPool.Put(0, br, streamReaderSize) }()
 	flusher, _ := w.(http.Flusher)
 	var (
 		ev, long []byte

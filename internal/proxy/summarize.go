@@ -10,6 +10,7 @@ import (
 	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
+	"github.com/compactproxy/compactproxy/internal/identity"
 	"github.com/compactproxy/compactproxy/internal/summarizer"
 	"github.com/compactproxy/compactproxy/internal/upstream"
 	"github.com/compactproxy/compactproxy/internal/wire"
@@ -70,7 +71,7 @@ func detachMessages(msgs []chat.Message, req *chat.Request) []chat.Message {
 		shared = min(req.Shared(), len(req.Messages), len(msgs))
 	}
 	for i, m := range msgs {
-		if i < shared && sameView(msgs[i:i+1], req.Messages[i:i+1]) {
+		if i < shared && identity.SameView(msgs[i:i+1], req.Messages[i:i+1]) {
 			out[i] = m
 			continue
 		}
@@ -146,8 +147,8 @@ func (s *Server) summaryCall(h http.Header, req *chat.Request) summarizer.Call {
 	if s.summarizerIsUpstream {
 		// The window the client would get for that model (its tenant's
 		// learned window included).
-		call.Window = s.windows.GetFor(upstream.Scope{Tenant: tenantOf(s.tenantSecret, h), Model: sumModel, Shape: upstream.WindowShape(h)})
-		fit := s.calibration.Fit(s.modelIdentity(sumModel))
+		call.Window = s.windows.GetFor(upstream.Scope{Tenant: identity.Tenant(s.tenantSecret, h), Model: sumModel, Shape: upstream.WindowShape(h)})
+		fit := s.calibration.Fit(s.ids.ModelIdentity(sumModel))
 		call.Count = func(text string) int { return textTokens(fit, len(text)) }
 	} else {
 		call.Window = s.windows.Listed(sumModel)
@@ -192,7 +193,7 @@ func (s *Server) summaryCall(h http.Header, req *chat.Request) summarizer.Call {
 func (s *Server) requestBuilder(req *chat.Request) summarizer.Builder {
 	api := wire.For(req.Dialect())
 	own := req
-	if req.Dialect() == chat.DialectChat { // only a chat body is pooled (readChat)
+	if req.Dialect() == chat.DialectChat { // only a chat body is pooled (read)
 		own = &chat.Request{Fields: make([]chat.Field, 0, len(req.Fields))}
 		for _, f := range req.Fields {
 			c := chat.Field{Key: strings.Clone(f.Key)}

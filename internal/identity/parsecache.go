@@ -1,4 +1,4 @@
-package proxy
+package identity
 
 import (
 	"cmp"
@@ -25,7 +25,7 @@ import (
 // nothing it did not send itself. Entries hold a copy of message bytes (the
 // same content the request path already holds), never logged.
 //
-// Bounded by the bytes the entries hold (parseCacheBytes) and by
+// Bounded by the bytes the entries hold (ParseCacheBytes) and by
 // parseBucketEntries per key; the least recently used entry goes first.
 type parseCache struct {
 	seed     maphash.Seed
@@ -39,9 +39,6 @@ type parseCache struct {
 }
 
 const (
-	// parseCacheBytes bounds the memory of the parse cache: about 48
-	// agents at 1 MiB of history each, or thousands of small ones.
-	parseCacheBytes = 64 << 20
 	// parseBucketEntries is how many bodies one key keeps: conversations
 	// without a conversation header that begin alike (a shared system
 	// prompt) share a key, and each keeps its own entry.
@@ -210,11 +207,4 @@ func (c *parseCache) unlink(e *parseEntry) {
 		e.elem = nil
 		c.bytes -= e.size
 	}
-}
-
-// len returns the number of entries and the bytes they hold.
-func (c *parseCache) len() (int, int) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.lru.Len(), c.bytes
 }

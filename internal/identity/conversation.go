@@ -1,24 +1,93 @@
-package proxy
+// Package identity derives which conversation a request belongs to: its
+// tenant (from the client's credential), its opaque conversation id and
+// tenant-bound state key, and the digest chains that key its lineages. It
+// keeps the caches that make this cheap for an agent resending its whole
+// history: the parse cache (a body parsed after the tenant's previous
+// one) and the digest cache (message bytes already hashed). It takes plain
+// values (headers, bodies, parsed requests) and serves no HTTP.
+package identity
 
 import (
 	"bytes"
-	"context"
 	"crypto/sha256"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"net/http"
-	"strconv"
-	"sync"
-	"time"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
-	"github.com/compactproxy/compactproxy/internal/summarizer"
-	"github.com/compactproxy/compactproxy/internal/upstream"
-	"go.uber.org/zap"
 )
+
+// Identifier derives conversations' identities for one upstream and keeps
+// the parse and digest caches. Safe for concurrent use.
+type Identifier struct {
+	upstreamName string
+	local        anchor.LocalEstimator
+	digests      *digestCache
+	parses       *parseCache
+}
+
+const (
+	// digestCacheEntries bounds the message-digest cache (about 100
+	// bytes an entry: ~20 MB at most).
+	digestCacheEntries = 200000
+	// ParseCacheBytes bounds the memory of the parse cache: about 48
+	// agents at 1 MiB of history each, or thousands of small ones.
+	ParseCacheBytes = 64 << 20
+)
+
+// New returns an Identifier for the upstream named upstreamName
+// (upstream.name: two endpoints may serve one model name with different
+// accounting), estimating with local, whose parse cache holds at most
+// parseCacheBytes (0: no parse cache).
+func New(upstreamName string, local anchor.LocalEstimator, parseCacheBytes int) *Identifier {
+	return &Identifier{upstreamName: upstreamName, local: local,
+		digests: newDigestCache(digestCacheEntries), parses: newParseCache(parseCacheBytes)}
+}
+
+// Parse is how a request's body was parsed: the tenant, its parse cache
+// key, and the entry whose first reused messages it took (nil: none).
+type Parse struct {
+	// Tenant is the request's tenant (Tenant).
+	Tenant string
+	key    parseKey
+	from   *parseEntry
+	reused int
+}
+
+// ParseChat parses a chat-completions body of tenant after the tenant's
+// most similar recent body when one shares leading messages with it:
+// those are not scanned, hashed or chained again. header is the client's
+// conversation header value ("" when none).
+func (x *Identifier) ParseChat(tenant, header string, body []byte) (*chat.Request, Parse, error) {
+	p := Parse{Tenant: tenant, key: x.parses.key(tenant, header, body)}
+	p.from = x.parses.lookup(p.key, body)
+	var snap *chat.Snapshot
+	if p.from != nil {
+		snap = p.from.snap
+	}
+	req, reused, err := chat.ParseAfter(body, snap)
+	p.reused = reused
+	if reused == 0 {
+		p.from = nil
+	}
+	return req, p, err
+}
+
+// Reused is how many leading messages the body shares with the entry it
+// was parsed after.
+func (p Parse) Reused() int { return p.reused }
+
+// PairingClean reports whether view is known to pass the pairing check: it
+// is all, and only, the parsed messages of req, and those are the
+// messages of the entry the body was parsed after, which passed it (the
+// check is a function of the messages' bytes; an entry remembers only a
+// clean verdict).
+func (p Parse) PairingClean(req *chat.Request, view []chat.Message) bool {
+	e := p.from
+	return e != nil && e.pairingClean && p.reused == len(view) && e.snap.Len() == len(view) && SameView(view, req.Messages)
+}
 
 // conversationID returns the opaque id of the request's conversation: the
 // first of compaction.conversation_headers the client sends (hashed: a
@@ -26,9 +95,9 @@ import (
 // model identity, the tools (idSeed) and the first user message — not the
 // system prompt, which real agents rebuild per request with a date or an
 // environment block (DESIGN § Compaction).
-func conversationID(r *http.Request, headers []string, idSeed anchor.Digest, msgs []chat.Message) string {
-	if c := conversationHeader(r, headers); c != "" {
-		return headerConversationID(c)
+func conversationID(header string, idSeed anchor.Digest, msgs []chat.Message) string {
+	if header != "" {
+		return HeaderID(header)
 	}
 	h := sha256.New()
 	h.Write([]byte("derived/v2\x00"))
@@ -51,10 +120,10 @@ func conversationID(r *http.Request, headers []string, idSeed anchor.Digest, msg
 	return hex.EncodeToString(h.Sum(nil)[:16])
 }
 
-// headerConversationID is the opaque id of the conversation a client's
+// HeaderID is the opaque id of the conversation a client's
 // conversation header value names (hashed: a header value never becomes
 // a key).
-func headerConversationID(value string) string {
+func HeaderID(value string) string {
 	h := sha256.New()
 	h.Write([]byte("header\x00"))
 	h.Write([]byte(value))
@@ -68,7 +137,7 @@ func isSystemRole(role string) bool { return role == "system" || role == "develo
 // user message: the model identity and the tools (not tool_choice or the
 // output format, which an agent may change between steps). It is the
 // request's seed when the request sends no other prompt field.
-func (s *Server) idSeed(req *chat.Request, in *seedInput, seed anchor.Digest) anchor.Digest {
+func (x *Identifier) idSeed(req *chat.Request, in *seedInput, seed anchor.Digest) anchor.Digest {
 	fields := map[string][]byte{}
 	other := false
 	for j, k := range anchor.PromptFields[:min(len(anchor.PromptFields), len(in.values))] {
@@ -83,40 +152,40 @@ func (s *Server) idSeed(req *chat.Request, in *seedInput, seed anchor.Digest) an
 	if !other && len(anchor.PromptFields) <= len(in.values) {
 		return seed
 	}
-	return anchor.Seed(s.modelIdentity(req.Model), fields)
+	return anchor.Seed(x.ModelIdentity(req.Model), fields)
 }
 
-// conversationHeader is the value of the first of headers the request
+// Header is the value of the first of headers the request
 // carries, "" when none. The header names are distinct per match: the
 // value "X-Compactproxy-Conversation: a" and "X-Session-Id: a" are the same
 // conversation id on purpose (an agent that moves from one to the other
 // keeps its state).
-func conversationHeader(r *http.Request, headers []string) string {
+func Header(h http.Header, headers []string) string {
 	for _, name := range headers {
-		if v := r.Header.Get(name); v != "" {
+		if v := h.Get(name); v != "" {
 			return v
 		}
 		// Codex's session_id: a header map not built by a canonicalizing
 		// reader keeps the spelling as written.
-		if vs := r.Header[name]; len(vs) > 0 && vs[0] != "" {
+		if vs := h[name]; len(vs) > 0 && vs[0] != "" {
 			return vs[0]
 		}
 	}
 	return ""
 }
 
-// storeKey binds a conversation to its tenant: one tenant's state never
+// Key binds a conversation to its tenant: one tenant's state never
 // applies to another's request.
-func storeKey(tenant, id string) string { return tenant + "|" + id }
+func Key(tenant, id string) string { return tenant + "|" + id }
 
-// modelIdentity is upstream.name + the requested model: two endpoints may
+// ModelIdentity is upstream.name + the requested model: two endpoints may
 // serve the same bare name with different accounting.
-func (s *Server) modelIdentity(model string) string {
-	return s.upstreamName + "\x00" + model
+func (x *Identifier) ModelIdentity(model string) string {
+	return x.upstreamName + "\x00" + model
 }
 
-// seed computes d0 for a request.
-func (s *Server) seed(req *chat.Request) anchor.Digest {
+// Seed computes d0 for a request (the start of its digest chain).
+func (x *Identifier) Seed(req *chat.Request) anchor.Digest {
 	fields := map[string][]byte{}
 	for _, f := range req.Fields {
 		for _, k := range anchor.PromptFields {
@@ -125,14 +194,14 @@ func (s *Server) seed(req *chat.Request) anchor.Digest {
 			}
 		}
 	}
-	return anchor.Seed(s.modelIdentity(req.Model), fields)
+	return anchor.Seed(x.ModelIdentity(req.Model), fields)
 }
 
 // recordSeed is the seed of the request's compaction records: seed itself
 // unless the request sends a prompt field past anchor.HistoryFields
 // (reasoning, text, include, thinking), which changes what the provider
 // counts but not which history a summary or trim applies to.
-func (s *Server) recordSeed(in *seedInput, seed anchor.Digest) anchor.Digest {
+func (x *Identifier) recordSeed(in *seedInput, seed anchor.Digest) anchor.Digest {
 	var fields map[string][]byte
 	for j := anchor.HistoryFields; j < min(len(anchor.PromptFields), len(in.values)); j++ {
 		if in.values[j] != nil {
@@ -148,7 +217,7 @@ func (s *Server) recordSeed(in *seedInput, seed anchor.Digest) anchor.Digest {
 			fields[k] = in.values[j]
 		}
 	}
-	return anchor.Seed(s.modelIdentity(in.model), fields)
+	return anchor.Seed(x.ModelIdentity(in.model), fields)
 }
 
 // seedInput is what a request's seed is computed from: the model and the
@@ -197,18 +266,18 @@ func (a seedInput) clone() seedInput {
 // seedFor is seed(req), taken from the parse cache entry req was parsed
 // after when it was computed from the same bytes (canonicalizing a tools
 // array is a sizeable part of a small request's cost).
-func (s *Server) seedFor(req *chat.Request, in *seedInput, e *parseEntry) anchor.Digest {
+func (x *Identifier) seedFor(req *chat.Request, in *seedInput, e *parseEntry) anchor.Digest {
 	if len(anchor.PromptFields) <= len(in.values) && e != nil && e.seedIn.equal(in) {
 		return e.seed
 	}
-	return s.seed(req)
+	return x.Seed(req)
 }
 
-// estimator builds the Estimate closure for one request: any view's digest
-// chain, the conversation's anchors, the local estimate and the model's
-// calibration ratio.
-func (s *Server) estimator(memo *chainMemo, anchors []anchor.Anchor, identity string) compaction.Estimator {
-	fit := s.calibration.Fit(identity)
+// Estimator is the Estimate closure for the views of c: any view's
+// digest chain, the conversation's anchors, the local estimate and the
+// model's calibration fit.
+func (c *Conversation) Estimator(anchors []anchor.Anchor, fit anchor.Fit) compaction.Estimator {
+	memo := c.memo
 	return func(view []chat.Message) anchor.Estimate {
 		chain, local, err := memo.chain(view)
 		if err != nil {
@@ -228,7 +297,7 @@ func (s *Server) estimator(memo *chainMemo, anchors []anchor.Anchor, identity st
 // tenant starts with that body's chain (parseCache), so an agent's step
 // chains only its new messages.
 type chainMemo struct {
-	s     *Server
+	local anchor.LocalEstimator
 	seed  anchor.Digest
 	known []chainKnown // most recent first, at most memoViews
 }
@@ -310,7 +379,7 @@ func (m *chainMemo) chain(view []chat.Message) ([]anchor.Digest, []int, error) {
 }
 
 // view returns view's chain, from what the memo knows where it can.
-// Messages without a digest get one, in place (as anchor.ViewChain does).
+// Messages without a digest get one, in place.
 func (m *chainMemo) view(view []chat.Message) (chainKnown, error) {
 	best, bestN := -1, 0
 	for i := range m.known {
@@ -345,7 +414,7 @@ func (m *chainMemo) view(view []chat.Message) (chainKnown, error) {
 			if from.sameBytes(view, i, onBase) {
 				out.local[i] = from.local[i]
 			} else {
-				out.local[i] = m.s.local.Tokens(msg)
+				out.local[i] = m.local.Tokens(msg)
 			}
 			continue
 		}
@@ -358,7 +427,7 @@ func (m *chainMemo) view(view []chat.Message) (chainKnown, error) {
 		}
 		out.digests[i] = msg.Digest
 		out.chain[i+1] = anchor.Link(out.chain[i], msg.Digest)
-		out.local[i] = m.s.local.Tokens(msg)
+		out.local[i] = m.local.Tokens(msg)
 	}
 	if len(m.known) < memoViews {
 		m.known = append(m.known, chainKnown{})
@@ -378,174 +447,109 @@ func sameIdents(ident []rawIdent, view []chat.Message) bool {
 	return true
 }
 
-// conversation is what one request knows about its conversation: the
-// model identity, the state key (tenant-bound) and the chain memo that every
-// view of this request shares.
-type conversation struct {
-	id, key, identity string
-	memo              *chainMemo
-	// recordSeed starts the records' chain (recordChain); zero: memo's seed.
+// Conversation is what one request knows about its conversation: its
+// opaque id, the model identity, the state key (tenant-bound) and the
+// chain memo that every view of this request shares.
+type Conversation struct {
+	// ID is the opaque conversation id (X-Compactproxy-Conversation-Id).
+	ID string
+	// Key is the conversation's state key, bound to its tenant.
+	Key string
+	// Identity is the model identity (ModelIdentity).
+	Identity string
+	memo     *chainMemo
+	// recordSeed starts the records' chain (RecordChain); zero: memo's seed.
 	recordSeed anchor.Digest
+	seedIn     seedInput
 }
 
-// openConversation hashes the view's messages (cached per tenant) and
-// derives the conversation's id and state key.
-func (s *Server) openConversation(r *http.Request, cr *chatRequest) *conversation {
-	if err := s.digests.hash(cr.tenant, cr.forward); err != nil {
-		s.log.Warn("message digest failed", zap.String("request_id", infoFrom(r.Context()).id), zap.Error(err))
-	}
-	cr.seedIn = seedInputOf(cr.req)
-	memo := &chainMemo{s: s, seed: s.seedFor(cr.req, &cr.seedIn, cr.parsed.from)}
-	id := conversationID(r, s.cfg.Compaction.ConversationHeaders, s.idSeed(cr.req, &cr.seedIn, memo.seed), cr.forward)
+// Open hashes view's messages (cached per tenant) and derives the
+// conversation's id and state key for req, whose body was parsed as p;
+// header is the client's conversation header value ("" when none). The
+// error is a digest failure, for the caller to log: the conversation is
+// usable all the same.
+func (x *Identifier) Open(header string, req *chat.Request, p Parse, view []chat.Message) (*Conversation, error) {
+	err := x.digests.hash(p.Tenant, view)
+	in := seedInputOf(req)
+	memo := &chainMemo{local: x.local, seed: x.seedFor(req, &in, p.from)}
+	id := conversationID(header, x.idSeed(req, &in, memo.seed), view)
 	// The messages the body shares with the tenant's earlier body keep
 	// that body's chain when the seed (model and prompt fields) is the same.
-	if e, n := cr.parsed.from, cr.parsed.reused; e != nil && e.seed == memo.seed && len(e.chain.chain) > n && n <= len(cr.req.Messages) {
-		memo.known = append(memo.known, e.chain.prefix(n, cr.req.Messages))
+	if e, n := p.from, p.reused; e != nil && e.seed == memo.seed && len(e.chain.chain) > n && n <= len(req.Messages) {
+		memo.known = append(memo.known, e.chain.prefix(n, req.Messages))
 	}
-	return &conversation{
-		id:         id,
-		key:        storeKey(cr.tenant, id),
-		identity:   s.modelIdentity(cr.req.Model),
+	return &Conversation{
+		ID:         id,
+		Key:        Key(p.Tenant, id),
+		Identity:   x.ModelIdentity(req.Model),
 		memo:       memo,
-		recordSeed: s.recordSeed(&cr.seedIn, memo.seed),
-	}
+		recordSeed: x.recordSeed(&in, memo.seed),
+		seedIn:     in,
+	}, err
 }
 
-// recordChain is the planner's chain of view: its records and lineages
+// Detached is c with a chain memo of its own that knows no view yet: for
+// work that outlives the request (its views point into a pooled body).
+func (c *Conversation) Detached() *Conversation {
+	d := *c
+	d.memo = &chainMemo{local: c.memo.local, seed: c.memo.seed}
+	return &d
+}
+
+// Chain is view's digest chain (one longer than view) and its messages'
+// local estimates.
+func (c *Conversation) Chain(view []chat.Message) ([]anchor.Digest, []int, error) {
+	return c.memo.chain(view)
+}
+
+// RecordChain is the planner's chain of view: its records and lineages
 // are keyed after the leading system messages (compaction.RecordChain), so
 // a system prompt that changes per request keeps them.
-func (cv *conversation) recordChain(view []chat.Message) ([]anchor.Digest, error) {
-	k, err := cv.memo.view(view)
+func (c *Conversation) RecordChain(view []chat.Message) ([]anchor.Digest, error) {
+	k, err := c.memo.view(view)
 	if err != nil {
 		return nil, err
 	}
-	seed := cv.recordSeed
+	seed := c.recordSeed
 	if seed == (anchor.Digest{}) {
-		seed = cv.memo.seed
+		seed = c.memo.seed
 	}
 	return compaction.RecordChain(seed, k.digests, compaction.LeadingSystem(view)), nil
 }
 
-// rememberParse keeps this request's parsed messages, digests and chain
-// for the tenant's next request (parseCache), unless the entry it was
-// parsed after already holds exactly them. The chain is kept only when the
-// client's view is the parsed messages (pairing repair changes the view).
-func (s *Server) rememberParse(cr *chatRequest, cv *conversation) {
-	req, ps := cr.req, cr.parsed
-	if e := ps.from; e != nil && ps.reused == len(req.Messages) && e.snap.Len() == len(req.Messages) &&
-		e.seed == cv.memo.seed && e.seedIn.equal(&cr.seedIn) && len(e.chain.chain) == len(req.Messages)+1 && e.pairingClean == cr.pairingClean {
+// Remember keeps req's parsed messages, digests and chain for the
+// tenant's next request (the parse cache), unless the entry it was parsed
+// after already holds exactly them. clean says the parsed messages passed
+// the pairing check; client is the client's view after pairing: the
+// chain is kept only when it is the parsed messages (repair changes it).
+func (x *Identifier) Remember(c *Conversation, req *chat.Request, p Parse, clean bool, client []chat.Message) {
+	if e := p.from; e != nil && p.reused == len(req.Messages) && e.snap.Len() == len(req.Messages) &&
+		e.seed == c.memo.seed && e.seedIn.equal(&c.seedIn) && len(e.chain.chain) == len(req.Messages)+1 && e.pairingClean == clean {
 		return // nothing new: the entry stays (lookup marked it used)
 	}
 	// A snapshot's messages carry their digests: the next request shares
 	// them as they are and never writes them (chat.ParseAfter). In pairing
 	// repair mode the view was a copy, so the parsed messages may still
 	// lack theirs.
-	if err := s.digests.hash(cr.tenant, req.Messages); err != nil {
+	if err := x.digests.hash(p.Tenant, req.Messages); err != nil {
 		return
 	}
 	snap := req.Snapshot()
 	if snap == nil {
 		return
 	}
-	e := &parseEntry{key: ps.key, snap: snap, seed: cv.memo.seed, seedIn: cr.seedIn.clone(), pairingClean: cr.pairingClean}
-	if sameView(cr.client, req.Messages) {
-		if k, err := cv.memo.view(req.Messages); err == nil {
+	e := &parseEntry{key: p.key, snap: snap, seed: c.memo.seed, seedIn: c.seedIn.clone(), pairingClean: clean}
+	if SameView(client, req.Messages) {
+		if k, err := c.memo.view(req.Messages); err == nil {
 			// Without the idents: they name this request's (pooled) body.
 			e.chain = chainKnown{digests: k.digests, chain: k.chain, local: k.local}
 		}
 	}
-	s.parses.store(e, ps.from, req.Body)
+	x.parses.store(e, p.from, req.Body)
 }
 
-// recordAnchor stores the provider's measurement of exactly the messages
-// forwarded (one of the request's two writes) and feeds the calibration.
-func (s *Server) recordAnchor(ctx context.Context, reqID string, cv *conversation, view []chat.Message, u anchor.Usage) {
-	if !u.HasInput {
-		return
-	}
-	identity, key := cv.identity, cv.key
-	chain, local, err := cv.memo.chain(view)
-	if err != nil {
-		return
-	}
-	total := 0
-	for _, t := range local {
-		total += t
-	}
-	a, ok := anchor.NewAnchor(chain, u, time.Now().Unix(), total)
-	if !ok {
-		return
-	}
-	fit := s.calibration.Fit(identity)
-	calibrated := false
-	err = s.store.UpdateAnchors(ctx, key, func(anchors []anchor.Anchor) ([]anchor.Anchor, bool) {
-		// Calibrate on what this view's estimate was, against the
-		// provider's answer: an anchored estimate teaches only about the
-		// messages after its anchor. (Once: the update may run again.)
-		if !calibrated {
-			calibrated = true
-			s.calibration.ObserveEstimate(identity, anchor.EstimateView(chain, local, anchors, fit), u.Input)
-		}
-		if len(anchors) > 0 && sameMeasurement(anchors[0], a) {
-			return anchors, false // already the newest: no write (a retried or repeated request)
-		}
-		next := a
-		if len(anchors) > 0 {
-			next = anchor.Extend(anchors[0], a, chain)
-		}
-		return compaction.MergeAnchor(anchors, next), true
-	})
-	s.storeResult(reqID, "save", err)
-}
-
-// viewAction names the strongest compaction a forwarded view carries
-// compared with the client's, in the header's order (a summary message,
-// one the proxy synthesized, is a re-applied summary here: a summary made
-// now is reported by the planner); trims are the lineage's records, which
-// tell placeholders and pointers from excerpts.
-func viewAction(client, forwarded []chat.Message, trims []compaction.Trim) string {
-	if sameView(client, forwarded) {
-		return "none"
-	}
-	for i := range forwarded {
-		if forwarded[i].Index < 0 {
-			return string(compaction.ActionReused)
-		}
-	}
-	if len(forwarded) < len(client) {
-		return string(compaction.ActionDropped)
-	}
-	if stepZeroOnly(client, forwarded, trims) {
-		return string(compaction.ActionMasked)
-	}
-	return string(compaction.ActionTrimmed)
-}
-
-// stepZeroOnly tells whether every message forwarded changed (same
-// positions, no drop) is one that trims names as a placeholder or a
-// pointer (step 0), not an excerpt.
-func stepZeroOnly(client, forwarded []chat.Message, trims []compaction.Trim) bool {
-	zero := map[int]bool{}
-	for _, t := range trims {
-		_, pointer := t.PointsTo()
-		zero[t.Index] = t.Masked() || pointer
-	}
-	for i := range forwarded {
-		if i < len(client) && !bytes.Equal(client[i].Raw, forwarded[i].Raw) && !zero[i] {
-			return false
-		}
-	}
-	return true
-}
-
-// sameMeasurement reports whether two anchors measure the same prefix with
-// the same result (their times aside).
-func sameMeasurement(a, b anchor.Anchor) bool {
-	return a.PrefixLen == b.PrefixLen && a.Prefix == b.Prefix && a.Input == b.Input && a.Output == b.Output
-}
-
-// sameView reports whether two views are the same messages (same bytes).
-func sameView(a, b []chat.Message) bool {
+// SameView reports whether two views are the same messages (same bytes).
+func SameView(a, b []chat.Message) bool {
 	if len(a) != len(b) {
 		return false
 	}
@@ -554,102 +558,5 @@ func sameView(a, b []chat.Message) bool {
 			return false
 		}
 	}
-	return true
-}
-
-// countCompaction turns the planner's events into metrics and one log line:
-// the conversation, the action, the cut and the estimated sizes before
-// (context_tokens) and after (forwarded_tokens), never content.
-func (s *Server) countCompaction(reqID, conversation string, out compaction.Output) {
-	ev := out.Events
-	for _, a := range ev.NewActions {
-		s.metrics.Compactions.WithLabelValues(string(a)).Inc()
-	}
-	if ev.SummarizeCalled {
-		if ev.SummarizeOK {
-			s.metrics.Summarize.WithLabelValues("success").Inc()
-		} else {
-			s.metrics.Summarize.WithLabelValues("failure").Inc()
-		}
-	}
-	if ev.Suppressed != "" {
-		s.metrics.SummarizeSuppressed.WithLabelValues(ev.Suppressed).Inc()
-	}
-	if ev.LatchEngaged {
-		s.metrics.LatchEngaged.Inc()
-	}
-	if ev.InvariantFailure {
-		s.metrics.InvariantFailures.Inc()
-	}
-	if len(ev.NewActions) > 0 || ev.SummarizeCalled || ev.InvariantFailure {
-		fields := []zap.Field{zap.String("request_id", reqID), zap.String("conversation", conversation),
-			zap.String("action", string(out.Action)), zap.Int("cut", stateCut(out.State)), zap.Int("trims", excerpts(out.State.Trims)),
-			zap.Int("context_tokens", out.Context.Tokens), zap.Int("forwarded_tokens", out.Forwarded),
-			zap.Int("budget", out.Budget)}
-		if len(ev.NewActions) > 0 {
-			acts := make([]string, len(ev.NewActions))
-			for i, a := range ev.NewActions {
-				acts[i] = string(a)
-			}
-			fields = append(fields, zap.Strings("new_actions", acts))
-		}
-		if ev.SummaryError != nil {
-			fields = append(fields, zap.String("summarize_error", summarizeErrorKind(ev.SummaryError)))
-		}
-		fields = append(fields, zap.Object("reduced_tokens", reduction(out.Reduced)), zap.Bool("cache_reset", out.CacheReset))
-		if out.CacheReset {
-			fields = append(fields, zap.Int("reset_tokens", out.ResetTokens))
-		}
-		s.log.Info("compaction", fields...)
-	}
-}
-
-// summarizeErrorKind names why a summarize failed without quoting the
-// summarizer's answer: an error body may echo conversation content, and
-// logs never carry content.
-func summarizeErrorKind(err error) string {
-	var se *summarizer.StatusError
-	var de upstream.DialError
-	switch {
-	case errors.As(err, &se):
-		return "status " + strconv.Itoa(se.StatusCode)
-	case errors.As(err, &de):
-		return "connect"
-	case errors.Is(err, context.DeadlineExceeded):
-		return "timeout"
-	case errors.Is(err, context.Canceled):
-		return "canceled"
-	case errors.Is(err, summarizer.ErrEmptySummary), errors.Is(err, compaction.ErrEmptySummary):
-		return "empty summary"
-	case errors.Is(err, compaction.ErrSummaryNotSmaller):
-		return "summary not smaller"
-	case errors.Is(err, summarizer.ErrBadResponse):
-		return "bad response"
-	case errors.Is(err, summarizer.ErrNoModel):
-		return "no model"
-	case errors.Is(err, summarizer.ErrWindowTooSmall):
-		return "window too small"
-	}
-	return "error"
-}
-
-// onceSet remembers keys so that a warning is logged once per key (a
-// conversation); bounded, it forgets everything when full.
-type onceSet struct {
-	mu sync.Mutex
-	m  map[string]struct{}
-}
-
-// once reports whether key was not seen before.
-func (o *onceSet) once(key string) bool {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	if _, ok := o.m[key]; ok {
-		return false
-	}
-	if o.m == nil || len(o.m) >= 4096 {
-		o.m = map[string]struct{}{}
-	}
-	o.m[key] = struct{}{}
 	return true
 }

@@ -1,8 +1,9 @@
-package proxy
+package bufpool
 
 import (
 	"bytes"
 	"errors"
+	"io"
 	"math/bits"
 	"sync"
 	"sync/atomic"
@@ -13,9 +14,9 @@ import (
 // Allocating each one costs a zeroing pass and GC and scavenger work that a
 // streaming reverse proxy never pays, so chat bodies are read into pooled
 // buffers by power-of-two size class and given back when the request ends.
-// The pool is an idlePool: a deliberate, bounded cache of at most
+// The pool is a Pool: a deliberate, bounded cache of at most
 // bodyPoolBytes of buffers, none once no request gave one back for
-// bodyPoolIdle (an idle proxy holds no body memory).
+// Idle (an idle proxy holds no body memory).
 //
 // A buffer is reused only once nothing can still read it: the outgoing
 // request bodies that point into it are tracked, and http.Transport closes
@@ -36,11 +37,12 @@ const (
 	// bodyPoolBytes bounds the idle buffers kept: 32 concurrent requests
 	// of a megabyte (a 2 MiB class each) reuse theirs.
 	bodyPoolBytes = 64 << 20
-	// bodyPoolIdle is how long an unused buffer is kept.
-	bodyPoolIdle = 10 * time.Second
+	// Idle is how long an unused buffer is kept.
+	Idle = 10 * time.Second
 )
 
-var bodyPool = newIdlePool[*pooledBody](maxPoolClass+1, bodyPoolBytes, bodyPoolIdle)
+// Bodies is the pool of request body buffers.
+var Bodies = New[*Body](maxPoolClass+1, bodyPoolBytes, Idle)
 
 // Test hooks, nil in production (net/http's testHook pattern). They let a
 // test stop the transport's body writer inside Read, at the two points
@@ -54,49 +56,50 @@ var (
 	// testHookBodyCopy is called just before Read copies from the buffer.
 	testHookBodyCopy func(*trackedReader)
 	// testHookBodyPooled is called as a buffer goes back to the pool.
-	testHookBodyPooled func(*pooledBody)
+	testHookBodyPooled func(*Body)
 )
 
-// pooledBody is a request body buffer from the pool.
-type pooledBody struct {
-	buf  []byte
+// Body is a request body buffer from the pool.
+type Body struct {
+	// Buf holds the body.
+	Buf  []byte
 	open atomic.Int32 // outgoing readers not yet closed
 }
 
-// getBody returns a buffer of length n (contents undefined), pooled when n
+// Get returns a buffer of length n (contents undefined), pooled when n
 // fits a size class.
-func getBody(n int) *pooledBody {
+func Get(n int) *Body {
 	c := bits.Len(uint(n - 1))
 	if n <= 0 || c > maxPoolClass {
-		return &pooledBody{buf: make([]byte, max(n, 0))}
+		return &Body{Buf: make([]byte, max(n, 0))}
 	}
 	c = max(c, minPoolClass)
-	if pb, ok := bodyPool.get(c); ok {
-		pb.buf = pb.buf[:n]
+	if pb, ok := Bodies.Get(c); ok {
+		pb.Buf = pb.Buf[:n]
 		return pb
 	}
-	return &pooledBody{buf: make([]byte, n, 1<<c)}
+	return &Body{Buf: make([]byte, n, 1<<c)}
 }
 
-// release gives the buffer back unless an outgoing reader is still open.
-func (pb *pooledBody) release() {
+// Release gives the buffer back unless an outgoing reader is still open.
+func (pb *Body) Release() {
 	if pb == nil || pb.open.Load() != 0 {
 		return
 	}
-	c := bits.Len(uint(cap(pb.buf) - 1))
-	if cap(pb.buf) != 1<<c || c < minPoolClass || c > maxPoolClass {
+	c := bits.Len(uint(cap(pb.Buf) - 1))
+	if cap(pb.Buf) != 1<<c || c < minPoolClass || c > maxPoolClass {
 		return
 	}
 	if testHookBodyPooled != nil {
 		testHookBodyPooled(pb)
 	}
-	pb.buf = pb.buf[:0]
-	bodyPool.put(c, pb, int64(cap(pb.buf)))
+	pb.Buf = pb.Buf[:0]
+	Bodies.Put(c, pb, int64(cap(pb.Buf)))
 }
 
-// reader returns an io.ReadCloser over b (which may point into pb) that
+// Reader returns an io.ReadCloser over b (which may point into pb) that
 // marks pb busy until the transport closes it.
-func (pb *pooledBody) reader(b []byte) *trackedReader {
+func (pb *Body) Reader(b []byte) io.ReadCloser {
 	t := &trackedReader{r: bytes.NewReader(b)}
 	if pb != nil {
 		pb.open.Add(1)
@@ -108,12 +111,12 @@ func (pb *pooledBody) reader(b []byte) *trackedReader {
 type trackedReader struct {
 	mu     sync.Mutex
 	r      *bytes.Reader
-	pb     *pooledBody
+	pb     *Body
 	closed bool
 }
 
 // errBodyClosed is what a Read after Close gets.
-var errBodyClosed = errors.New("proxy: request body read after close")
+var errBodyClosed = errors.New("bufpool: request body read after close")
 
 func (t *trackedReader) Read(p []byte) (int, error) {
 	if testHookBodyRead != nil {
@@ -142,11 +145,11 @@ func (t *trackedReader) Close() error {
 	return nil
 }
 
-// grow returns a buffer of length n holding the first keep bytes of pb, and
+// Grow returns a buffer of length n holding the first keep bytes of pb, and
 // gives pb back to the pool.
-func (pb *pooledBody) grow(n, keep int) *pooledBody {
-	nb := getBody(n)
-	copy(nb.buf, pb.buf[:keep])
-	pb.release()
+func (pb *Body) Grow(n, keep int) *Body {
+	nb := Get(n)
+	copy(nb.Buf, pb.Buf[:keep])
+	pb.Release()
 	return nb
 }

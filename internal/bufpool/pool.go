@@ -1,11 +1,15 @@
-package proxy
+// Package bufpool keeps freed buffers for reuse, bounded in bytes and
+// emptied when idle: request bodies read by size class (Body) and any
+// other kind of buffer (Pool).
+package bufpool
 
 import (
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
-// idlePool keeps freed buffers for reuse, by size class, bounded in bytes,
+// Pool keeps freed buffers for reuse, by size class, bounded in bytes,
 // and empties itself when idle: an entry unused for ttl is dropped.
 //
 // Why not sync.Pool: it is unbounded, and it empties only over two GC
@@ -18,12 +22,16 @@ import (
 //
 // A class is a LIFO stack, so the entries of a class are ordered by the
 // time they were put, oldest first; the sweep drops a prefix.
-type idlePool[T any] struct {
-	ttl      time.Duration
+type Pool[T any] struct {
+	// TTL is how long an unused entry is kept, in nanoseconds (atomic: a
+	// test may shorten it while the pool sweeps).
+	TTL atomic.Int64
+	// Held is the bytes the pool holds (changed under the pool's lock;
+	// atomic so that a test may watch it).
+	Held     atomic.Int64
 	maxBytes int64
 
 	mu      sync.Mutex
-	held    int64 // bytes in the pool
 	classes [][]idleEntry[T]
 	timer   *time.Timer // armed while the pool holds anything
 }
@@ -34,12 +42,16 @@ type idleEntry[T any] struct {
 	at   time.Time
 }
 
-func newIdlePool[T any](classes int, maxBytes int64, ttl time.Duration) *idlePool[T] {
-	return &idlePool[T]{ttl: ttl, maxBytes: maxBytes, classes: make([][]idleEntry[T], classes)}
+// New returns a pool of classes size classes that holds at most maxBytes
+// and drops what was unused for ttl.
+func New[T any](classes int, maxBytes int64, ttl time.Duration) *Pool[T] {
+	p := &Pool[T]{maxBytes: maxBytes, classes: make([][]idleEntry[T], classes)}
+	p.TTL.Store(int64(ttl))
+	return p
 }
 
-// get returns the most recently put entry of class c.
-func (p *idlePool[T]) get(c int) (T, bool) {
+// Get returns the most recently put entry of class c.
+func (p *Pool[T]) Get(c int) (T, bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	s := p.classes[c]
@@ -50,37 +62,38 @@ func (p *idlePool[T]) get(c int) (T, bool) {
 	e := s[len(s)-1]
 	s[len(s)-1] = idleEntry[T]{}
 	p.classes[c] = s[:len(s)-1]
-	p.held -= e.size
+	p.Held.Add(-e.size)
 	return e.v, true
 }
 
-// put keeps v (size bytes) for reuse; over the byte bound it is left to
+// Put keeps v (size bytes) for reuse; over the byte bound it is left to
 // the GC instead.
-func (p *idlePool[T]) put(c int, v T, size int64) {
+func (p *Pool[T]) Put(c int, v T, size int64) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.held+size > p.maxBytes {
+	if p.Held.Load()+size > p.maxBytes {
 		return
 	}
 	p.classes[c] = append(p.classes[c], idleEntry[T]{v: v, size: size, at: time.Now()})
-	p.held += size
+	p.Held.Add(size)
 	if p.timer == nil {
-		p.timer = time.AfterFunc(p.ttl, p.sweep)
+		p.timer = time.AfterFunc(p.ttl(), p.sweep)
 	}
 }
 
 // sweep drops the entries unused for ttl and re-arms itself for the
 // oldest one left; with nothing left, the timer is dropped (no goroutine
 // or timer outlives a burst).
-func (p *idlePool[T]) sweep() {
+func (p *Pool[T]) sweep() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	now := time.Now()
+	ttl := p.ttl()
 	var oldest time.Time
 	for c, s := range p.classes {
 		n := 0
-		for n < len(s) && now.Sub(s[n].at) >= p.ttl {
-			p.held -= s[n].size
+		for n < len(s) && now.Sub(s[n].at) >= ttl {
+			p.Held.Add(-s[n].size)
 			n++
 		}
 		if n > 0 {
@@ -101,12 +114,7 @@ func (p *idlePool[T]) sweep() {
 		p.timer = nil
 		return
 	}
-	p.timer.Reset(p.ttl - now.Sub(oldest))
+	p.timer.Reset(ttl - now.Sub(oldest))
 }
 
-// bytes reports what the pool holds (tests, metrics).
-func (p *idlePool[T]) bytes() int64 {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.held
-}
+func (p *Pool[T]) ttl() time.Duration { return time.Duration(p.TTL.Load()) }

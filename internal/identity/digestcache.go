@@ -1,4 +1,4 @@
-package proxy
+package identity
 
 import (
 	"hash/maphash"
@@ -158,11 +158,4 @@ func (c *digestCache) put(k digestKey, d anchor.Digest) {
 		c.old, c.cur = c.cur, make(map[digestKey]anchor.Digest, len(c.cur))
 	}
 	c.cur[k] = d
-}
-
-// len returns the number of remembered digests.
-func (c *digestCache) len() int {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return len(c.cur) + len(c.old)
 }
