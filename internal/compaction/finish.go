@@ -31,7 +31,9 @@ func (r *run) finish(out Output, p plan, cur int) Output {
 	out.Forwarded = cur
 	out.Action = r.actions(p)
 	out.Reduced, out.ResetAt = r.accounting(p)
-	out.CacheReset = out.ResetAt >= 0 && out.ResetAt < r.previousLen()
+	// Shadow reports what the decision would remove; it forwards the
+	// client's view, which resets nothing.
+	out.CacheReset = !r.cfg.Shadow && out.ResetAt >= 0 && out.ResetAt < r.previousLen()
 	if out.CacheReset {
 		out.ResetTokens = max(cur-r.est(r.prefixView(p, out.ResetAt)), 0)
 	}
@@ -158,7 +160,7 @@ func stateEqual(a, b State) bool {
 // estimates only when something new was made.
 func (r *run) accounting(p plan) (Reduction, int) {
 	var red Reduction
-	if r.cfg.Shadow || !r.changed() {
+	if !r.changed() {
 		return red, -1
 	}
 	base := r.base

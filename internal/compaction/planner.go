@@ -317,13 +317,15 @@ type Output struct {
 	Budget, Trigger, Target, Fixed int
 	// Reduced is what this decision removed, in estimated tokens, by the
 	// ladder's step (new records only; re-applied ones removed nothing
-	// new): the proxy adds each to reduced_tokens_total{step}.
+	// new; in Shadow mode what the decision would remove): the proxy adds
+	// each to reduced_tokens_total{step}.
 	Reduced Reduction
 	// ResetAt is the first client position whose forwarded bytes this
 	// decision changed (a new record, summary or drop), −1 when none.
 	// CacheReset: ResetAt lies in what the previous forwarded view of the
 	// lineage held (Input.PreviousLen), so the provider re-reads the view
-	// from there uncached once (cache_resets_total).
+	// from there uncached once (cache_resets_total; never in Shadow mode,
+	// which forwards the client's view).
 	ResetAt    int
 	CacheReset bool
 	// ResetTokens estimates what a cache reset makes the provider read

@@ -85,8 +85,14 @@ type Compaction struct {
 	PresummarizeRatio float64       `mapstructure:"presummarize_ratio" yaml:"presummarize_ratio"` // 0.7
 	MinInterval       time.Duration `mapstructure:"min_interval" yaml:"min_interval"`             // 60s; 0 disables the throttle
 	LatchGrowth       int           `mapstructure:"latch_growth" yaml:"latch_growth"`             // 20
-	Trim              Trim          `mapstructure:"trim" yaml:"trim"`
-	Summarizer        Summarizer    `mapstructure:"summarizer" yaml:"summarizer"`
+	// Dedupe: over the trigger, a tool result that a later one repeats is
+	// forwarded as a pointer to the later call (no model call, lossless).
+	Dedupe bool `mapstructure:"dedupe" yaml:"dedupe"` // false
+	// Mask: over the trigger, old tool results outside the tail are
+	// forwarded as a placeholder naming their call, before any summary.
+	Mask       bool       `mapstructure:"mask" yaml:"mask"` // false
+	Trim       Trim       `mapstructure:"trim" yaml:"trim"`
+	Summarizer Summarizer `mapstructure:"summarizer" yaml:"summarizer"`
 	// ConversationHeaders name a conversation, first match wins (default
 	// X-Compactproxy-Conversation, X-Session-Id, Session-Id, session_id,
 	// X-Claude-Code-Session-Id); the first is stripped before forwarding,

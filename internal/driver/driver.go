@@ -273,6 +273,9 @@ func (d *Driver) plan(r *run, conv store.Conversation, li int, res *compaction.S
 		Now:       d.now(),
 		Pass:      r.req.Pass,
 		Summary:   res,
+		// The lineage's tip is how far its previous request reached: a
+		// change before it resets the provider's cache.
+		PreviousLen: l.TipLen,
 
 		SummaryInUpstreamTokens: r.req.SummaryInUpstreamTokens,
 	})

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/compactproxy/compactproxy/internal/anchor"
 	"github.com/compactproxy/compactproxy/internal/chat"
 	"github.com/compactproxy/compactproxy/internal/compaction"
 )
@@ -258,4 +259,39 @@ func FuzzStepZero(f *testing.F) {
 	f.Fuzz(func(t *testing.T, seed int64, k uint8, summarize bool) {
 		checkStepZero(t, seed, int(k%9), summarize)
 	})
+}
+
+// TestPreviousLenFromLineage: a mask made in messages the lineage's
+// previous request never held resets no cache; the same mask in messages
+// it held does. The driver tells the planner how long that request was
+// (the selected lineage's tip).
+func TestPreviousLenFromLineage(t *testing.T) {
+	conv := []msg{sysMsg("You are a coding agent."), userMsg("make the store retry")}
+	for i := range 8 {
+		id := fmt.Sprintf("call_%d", i)
+		conv = append(conv, callMsg("", id+`:read_file:{"path":"f`+fmt.Sprint(i)+`.go"}`), toolMsg(id, blob(id, 3000)))
+	}
+	conv = append(conv, asstMsg("done"), userMsg("go on"))
+	all := parse(t, conv)
+	chain := chainOf(t, all)
+	cfg := baseConfig()
+	cfg.Mask, cfg.SummarizerEnabled = true, false
+	window := fakeEstimate(all).Tokens * 100 / 90
+	for _, tip := range []int{2, len(all) - 1} {
+		e := newDriver(cfg, nil, nil)
+		l := compaction.Lineage{ID: compaction.LineageID(chain[:tip+1]), TipLen: tip, Tip: chain[tip]}
+		_ = e.store.UpdateLineages(context.Background(), testKey, func(ls []compaction.Lineage) ([]compaction.Lineage, bool) {
+			return compaction.SaveLineage(ls, l, 0, true)
+		})
+		req := Request{ID: "test", Key: testKey, View: all, Window: window,
+			Chain:    func() ([]anchor.Digest, error) { return chain, nil },
+			Estimate: func([]anchor.Anchor) compaction.Estimator { return fakeEstimate }}
+		out, _ := e.d.Decide(context.Background(), req, Mode{Enabled: true, Summarize: true, Commit: true})
+		if out.Action != compaction.ActionMasked || out.Reduced.Mask == 0 || out.ResetAt < 0 {
+			t.Fatalf("tip %d: want a new mask, got %s reduced %+v reset at %d", tip, out.Action, out.Reduced, out.ResetAt)
+		}
+		if want := out.ResetAt < tip; out.CacheReset != want {
+			t.Errorf("tip %d: mask from %d: cache reset %v, want %v", tip, out.ResetAt, out.CacheReset, want)
+		}
+	}
 }

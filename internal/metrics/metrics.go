@@ -18,6 +18,10 @@ import (
 // same name), summarize calls under their own.
 var RetryOps = []string{"chat", "responses", "messages", "summarize"}
 
+// ReducedSteps are the step label values of reduced_tokens_total, in the
+// ladder's order.
+var ReducedSteps = []string{"dedupe", "mask", "trim", "summarize", "drop"}
+
 // Metrics holds every metric of DESIGN.md's list.
 type Metrics struct {
 	HTTPRequests        *prometheus.CounterVec // route, code
@@ -51,8 +55,15 @@ type Metrics struct {
 	SummarizeInputTokens *prometheus.CounterVec
 	// Presummarize counts background summaries by result.
 	Presummarize *prometheus.CounterVec // result
-	StoreErrors  *prometheus.CounterVec // op
-	StreamAborts prometheus.Counter
+	// ReducedTokens is the estimated tokens each step of the ladder
+	// removed from forwarded views (step dedupe|mask|trim|summarize|drop),
+	// counted once per forwarded decision; CacheResets the forwarded views
+	// whose prefix differs from the lineage's previous forwarded request
+	// before its end (the provider re-reads from there uncached once).
+	ReducedTokens *prometheus.CounterVec // step
+	CacheResets   prometheus.Counter
+	StoreErrors   *prometheus.CounterVec // op
+	StreamAborts  prometheus.Counter
 }
 
 // New registers the metrics on reg, plus the Go and process collectors.
@@ -108,6 +119,10 @@ func New(reg prometheus.Registerer) *Metrics {
 			Help: "Input tokens the summarize calls' answers reported, by kind (how much the upstream's cache served)."}, []string{"kind"}),
 		CompactionImpossible: f.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "compaction_impossible_total",
 			Help: "Chat requests over the budget whose fixed part (system messages, tools, template) alone is over it: forwarded as is."}),
+		ReducedTokens: f.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "reduced_tokens_total",
+			Help: "Estimated tokens removed from forwarded views, by the compaction step that removed them (dedupe|mask|trim|summarize|drop)."}, []string{"step"}),
+		CacheResets: f.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "cache_resets_total",
+			Help: "Forwarded views that change what the previous forwarded request of the conversation already held: the provider re-reads from there uncached once."}),
 		StoreErrors: f.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "store_errors_total",
 			Help: "Failed state store operations (load, save, lock); the request went on without them."}, []string{"op"}),
 		StreamAborts: f.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "stream_aborts_total",
@@ -145,8 +160,11 @@ func New(reg prometheus.Registerer) *Metrics {
 	for _, r := range []string{"latch", "throttle"} {
 		m.SummarizeSuppressed.WithLabelValues(r)
 	}
-	for _, a := range []string{"trimmed", "summarized", "reused", "dropped"} {
+	for _, a := range []string{"masked", "trimmed", "summarized", "reused", "dropped"} {
 		m.Compactions.WithLabelValues(a)
+	}
+	for _, st := range ReducedSteps {
+		m.ReducedTokens.WithLabelValues(st)
 	}
 	for _, op := range []string{"load", "save", "lock"} {
 		m.StoreErrors.WithLabelValues(op)

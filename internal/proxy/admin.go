@@ -167,9 +167,13 @@ type lineageState struct {
 	Summary        *summaryState `json:"summary,omitempty"`
 	PendingSummary *summaryState `json:"pending_summary,omitempty"`
 	Trims          []trimState   `json:"trims"`
-	Drops          []dropState   `json:"drops"`
-	Latched        bool          `json:"latched"`
-	LatchCount     int           `json:"latch_count,omitempty"`
+	// Masks are the tool results forwarded as a placeholder naming their
+	// call; Dedupes those forwarded as a pointer to a later result.
+	Masks      []int         `json:"masks"`
+	Dedupes    []dedupeState `json:"dedupes"`
+	Drops      []dropState   `json:"drops"`
+	Latched    bool          `json:"latched"`
+	LatchCount int           `json:"latch_count,omitempty"`
 	// The summarize throttle: the last attempt's time and message count.
 	LastSummarizeAt       int64 `json:"last_summarize_at,omitempty"`
 	LastSummarizeMessages int   `json:"last_summarize_messages,omitempty"`
@@ -185,6 +189,11 @@ type summaryState struct {
 type trimState struct {
 	Index     int `json:"index"`
 	KeepBytes int `json:"keep_bytes"`
+}
+
+type dedupeState struct {
+	Index    int `json:"index"`
+	PointsTo int `json:"points_to"`
 }
 
 type dropState struct {
@@ -226,7 +235,7 @@ func (s *Server) handleConversation(w http.ResponseWriter, r *http.Request) {
 	for _, l := range conv.Lineages {
 		st := l.State
 		ls := lineageState{ID: strconv.FormatUint(l.ID, 16), Messages: l.TipLen, Updated: l.Used, Cut: stateCut(st),
-			Summary: summary(st.Summary), PendingSummary: summary(st.Pending), Trims: []trimState{}, Drops: []dropState{},
+			Summary: summary(st.Summary), PendingSummary: summary(st.Pending), Trims: []trimState{}, Masks: []int{}, Dedupes: []dedupeState{}, Drops: []dropState{},
 			Latched: st.Latched, LastSummarizeMessages: st.LastAttemptCount}
 		if st.Latched {
 			ls.LatchCount = st.LatchCount
@@ -235,7 +244,13 @@ func (s *Server) handleConversation(w http.ResponseWriter, r *http.Request) {
 			ls.LastSummarizeAt = st.LastAttempt.Unix()
 		}
 		for _, t := range st.Trims {
-			ls.Trims = append(ls.Trims, trimState{Index: t.Index, KeepBytes: t.Keep})
+			if later, ok := t.PointsTo(); ok {
+				ls.Dedupes = append(ls.Dedupes, dedupeState{Index: t.Index, PointsTo: later})
+			} else if t.Masked() {
+				ls.Masks = append(ls.Masks, t.Index)
+			} else {
+				ls.Trims = append(ls.Trims, trimState{Index: t.Index, KeepBytes: t.Keep})
+			}
 		}
 		for _, d := range st.Drops {
 			ls.Drops = append(ls.Drops, dropState{From: d.From, To: d.To})

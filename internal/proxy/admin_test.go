@@ -113,8 +113,8 @@ func TestConversationStateRead(t *testing.T) {
 		if st.ID != id || len(st.Lineages) != 1 || len(st.Anchors) != 1 || st.Anchors[0].InputTokens != 120 {
 			t.Errorf("GET %s: %s, want one lineage and the anchor of the answer (120 input tokens)", ref, out)
 		}
-		if l := st.Lineages[0]; len(l.Trims)+len(l.Drops) == 0 || l.Messages != len(msgs) {
-			t.Errorf("GET %s: lineage %+v, want its trims or drops at %d messages", ref, l, len(msgs))
+		if l := st.Lineages[0]; len(l.Trims)+len(l.Masks)+len(l.Dedupes)+len(l.Drops) == 0 || l.Messages != len(msgs) {
+			t.Errorf("GET %s: lineage %+v, want its records (trims, masks, dedupes or drops) at %d messages", ref, l, len(msgs))
 		}
 		if strings.Contains(string(out), "secret file") {
 			t.Errorf("GET %s shows message content: %s", ref, out)

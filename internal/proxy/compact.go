@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"net/http"
@@ -13,8 +14,10 @@ import (
 	"github.com/compactproxy/compactproxy/internal/compaction"
 	"github.com/compactproxy/compactproxy/internal/driver"
 	"github.com/compactproxy/compactproxy/internal/identity"
+	"github.com/compactproxy/compactproxy/internal/metrics"
 	"github.com/compactproxy/compactproxy/internal/upstream"
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 )
 
 // identify is the identify stage: the request's conversation (its opaque
@@ -119,7 +122,7 @@ func (s *Server) report(ar *apiRequest, ident *identified, dec decision, pass co
 		// Forwarded without the summary that is due (it is being made
 		// elsewhere, or the state is unreadable): say what the view
 		// carries instead.
-		action = viewAction(ident.view.msgs, out.Messages)
+		action = viewAction(ident.view.msgs, out.Messages, out.State.Trims)
 	}
 	if action == "" || s.cfg.Compaction.Mode == "shadow" {
 		action = "none"
@@ -132,6 +135,9 @@ func (s *Server) report(ar *apiRequest, ident *identified, dec decision, pass co
 	ar.respHeaders.Set("X-Compactproxy-Context-Tokens", strconv.Itoa(out.Context.Tokens))
 	ar.respHeaders.Set("X-Compactproxy-Context-Source", out.Context.Source)
 	ar.respHeaders.Set("X-Compactproxy-Forwarded-Tokens", strconv.Itoa(out.Forwarded))
+	// Every forwarded decision, an overflow retry's included (not a
+	// preview's): what each step removed and whether it reset the cache.
+	s.countReduction(out)
 	if !first {
 		return // the overflow retry: counted once, on the first pass
 	}
@@ -148,6 +154,46 @@ func (s *Server) report(ar *apiRequest, ident *identified, dec decision, pass co
 	}
 	s.metrics.ContextTokens.Observe(float64(out.Context.Tokens))
 	s.metrics.ForwardedTokens.Observe(float64(out.Forwarded))
+}
+
+// excerpts counts the trims that are excerpts (not step 0's placeholders
+// and pointers).
+func excerpts(trims []compaction.Trim) int {
+	n := 0
+	for _, t := range trims {
+		if _, pointer := t.PointsTo(); !t.Masked() && !pointer {
+			n++
+		}
+	}
+	return n
+}
+
+// countReduction adds a forwarded decision's reductions by step to
+// reduced_tokens_total and its cache reset to cache_resets_total.
+func (s *Server) countReduction(out compaction.Output) {
+	r := out.Reduced
+	for i, n := range []int{r.Dedupe, r.Mask, r.Trim, r.Summarize, r.Drop} {
+		if n > 0 {
+			s.metrics.ReducedTokens.WithLabelValues(metrics.ReducedSteps[i]).Add(float64(n))
+		}
+	}
+	if out.CacheReset {
+		s.metrics.CacheResets.Inc()
+	}
+}
+
+// reduction logs what a decision removed by step (the steps that removed
+// something), as reduced_tokens_total names them.
+type reduction compaction.Reduction
+
+// MarshalLogObject writes the steps that removed something.
+func (r reduction) MarshalLogObject(enc zapcore.ObjectEncoder) error {
+	for i, n := range []int{r.Dedupe, r.Mask, r.Trim, r.Summarize, r.Drop} {
+		if n > 0 {
+			enc.AddInt(metrics.ReducedSteps[i], n)
+		}
+	}
+	return nil
 }
 
 // recoverOnce is the recovery stage (DESIGN step 5): when err is the
@@ -256,8 +302,9 @@ func (s *Server) storeAnchor(ctx context.Context, reqID string, conversation *id
 // viewAction names the strongest compaction a forwarded view carries
 // compared with the client's, in the header's order (a summary message,
 // one the proxy synthesized, is a re-applied summary here: a summary made
-// now is reported by the planner).
-func viewAction(client, forwarded []chat.Message) string {
+// now is reported by the planner); trims are the lineage's records, which
+// tell placeholders and pointers from excerpts.
+func viewAction(client, forwarded []chat.Message, trims []compaction.Trim) string {
 	if identity.SameView(client, forwarded) {
 		return "none"
 	}
@@ -269,7 +316,27 @@ func viewAction(client, forwarded []chat.Message) string {
 	if len(forwarded) < len(client) {
 		return string(compaction.ActionDropped)
 	}
+	if stepZeroOnly(client, forwarded, trims) {
+		return string(compaction.ActionMasked)
+	}
 	return string(compaction.ActionTrimmed)
+}
+
+// stepZeroOnly tells whether every message forwarded changed (same
+// positions, no drop) is one that trims names as a placeholder or a
+// pointer (step 0), not an excerpt.
+func stepZeroOnly(client, forwarded []chat.Message, trims []compaction.Trim) bool {
+	zero := map[int]bool{}
+	for _, t := range trims {
+		_, pointer := t.PointsTo()
+		zero[t.Index] = t.Masked() || pointer
+	}
+	for i := range forwarded {
+		if i < len(client) && !bytes.Equal(client[i].Raw, forwarded[i].Raw) && !zero[i] {
+			return false
+		}
+	}
+	return true
 }
 
 // sameMeasurement reports whether two anchors measure the same prefix with

@@ -38,7 +38,7 @@ func (s *Server) countCompaction(reqID, conversation string, out compaction.Outp
 	}
 	if len(ev.NewActions) > 0 || ev.SummarizeCalled || ev.InvariantFailure {
 		fields := []zap.Field{zap.String("request_id", reqID), zap.String("conversation", conversation),
-			zap.String("action", string(out.Action)), zap.Int("cut", stateCut(out.State)), zap.Int("trims", len(out.State.Trims)),
+			zap.String("action", string(out.Action)), zap.Int("cut", stateCut(out.State)), zap.Int("trims", excerpts(out.State.Trims)),
 			zap.Int("context_tokens", out.Context.Tokens), zap.Int("forwarded_tokens", out.Forwarded),
 			zap.Int("budget", out.Budget)}
 		if len(ev.NewActions) > 0 {
@@ -50,6 +50,10 @@ func (s *Server) countCompaction(reqID, conversation string, out compaction.Outp
 		}
 		if ev.SummaryError != nil {
 			fields = append(fields, zap.String("summarize_error", summarizeErrorKind(ev.SummaryError)))
+		}
+		fields = append(fields, zap.Object("reduced_tokens", reduction(out.Reduced)), zap.Bool("cache_reset", out.CacheReset))
+		if out.CacheReset {
+			fields = append(fields, zap.Int("reset_tokens", out.ResetTokens))
 		}
 		s.log.Info("compaction", fields...)
 	}

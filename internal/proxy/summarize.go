@@ -31,6 +31,8 @@ func (s *Server) compactionConfig() compaction.Config {
 		SummaryTokens:        c.Summarizer.MaxTokens,
 		SummaryMinTokens:     c.SummaryMinTokens,
 		TailRatio:            c.TailRatio,
+		Dedupe:               c.Dedupe,
+		Mask:                 c.Mask,
 	}
 }
 

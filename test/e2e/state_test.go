@@ -330,6 +330,10 @@ func TestConversationAdminRead(t *testing.T) {
 			Trims []struct {
 				Index int `json:"index"`
 			} `json:"trims"`
+			Masks   []int `json:"masks"`
+			Dedupes []struct {
+				Index int `json:"index"`
+			} `json:"dedupes"`
 			Drops []struct {
 				From int `json:"from"`
 				To   int `json:"to"`
@@ -347,8 +351,8 @@ func TestConversationAdminRead(t *testing.T) {
 		if resp.StatusCode != 200 || json.Unmarshal(b, &st) != nil {
 			t.Fatalf("GET %s: %d %s", ref, resp.StatusCode, b)
 		}
-		if st.ID != id || len(st.Lineages) != 1 || len(st.Lineages[0].Trims)+len(st.Lineages[0].Drops) == 0 || len(st.Anchors) == 0 || st.Anchors[0].InputTokens <= 0 {
-			t.Errorf("GET %s: %s, want one lineage with its trims or drops and an anchor", ref, b)
+		if st.ID != id || len(st.Lineages) != 1 || len(st.Lineages[0].Trims)+len(st.Lineages[0].Masks)+len(st.Lineages[0].Dedupes)+len(st.Lineages[0].Drops) == 0 || len(st.Anchors) == 0 || st.Anchors[0].InputTokens <= 0 {
+			t.Errorf("GET %s: %s, want one lineage with its records (trims, masks, dedupes or drops) and an anchor", ref, b)
 		}
 		if strings.Contains(string(b), "content of file") {
 			t.Errorf("GET %s shows message content: %s", ref, b)
