@@ -453,3 +453,17 @@ func EstimateView(chain []Digest, local []int, anchors []Anchor, fit Fit) Estima
 	}
 	return Estimate{Tokens: fit.Tokens(total), Source: SourceLocal, Local: total, Suffix: total, Ratio: ratio}
 }
+
+// TextTokens is the calibrated estimate of n bytes of text sent as one
+// message: the local estimator's count of such a message, scaled by the
+// model's ratio (the request's fixed overhead is the summarizer's own
+// allowance).
+func TextTokens(fit Fit, n int) int {
+	local := MessageOverheadTokens + (n+3)/4
+	r := fit.Ratio
+	if !(r > 0) {
+		r = 1
+	}
+	r = min(max(r, MinRatio), MaxRatio)
+	return int(math.Ceil(float64(local) * r))
+}

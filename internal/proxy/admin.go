@@ -228,7 +228,7 @@ func (s *Server) handleConversation(w http.ResponseWriter, r *http.Request) {
 		}
 		n := sm.Tokens
 		if n <= 0 {
-			n = textTokens(anchor.Fit{}, len(sm.Text))
+			n = anchor.TextTokens(anchor.Fit{}, len(sm.Text))
 		}
 		return &summaryState{Text: sm.Text, Tokens: n, Cut: sm.Cut, Lead: sm.Lead}
 	}

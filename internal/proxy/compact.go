@@ -79,7 +79,7 @@ func (s *Server) driverRequest(r *http.Request, ar *apiRequest, ident *identifie
 		Detach: func() driver.Detached {
 			own := ident.Conversation.Detached()
 			return driver.Detached{
-				View: detachMessages(view, req),
+				View: identity.Detach(view, req),
 				Estimate: func(anchors []anchor.Anchor) compaction.Estimator {
 					return own.Estimator(anchors, s.calibration.Fit(own.Identity))
 				},

@@ -138,7 +138,7 @@ func TestDetachMessagesKeepsSharedBytes(t *testing.T) {
 	for i, m := range req.Messages {
 		want[i] = bytes.Clone(m.Raw)
 	}
-	out := detachMessages(req.Messages, req)
+	out := identity.Detach(req.Messages, req)
 	for i := range out {
 		shares := identity.SameView(out[i:i+1], req.Messages[i:i+1])
 		if shares != (i < reused) {
@@ -154,7 +154,7 @@ func TestDetachMessagesKeepsSharedBytes(t *testing.T) {
 		}
 	}
 	// Without the request, everything is copied.
-	for i, m := range detachMessages(req.Messages, nil) {
+	for i, m := range identity.Detach(req.Messages, nil) {
 		if identity.SameView([]chat.Message{m}, req.Messages[i:i+1]) {
 			t.Fatalf("message %d not copied", i)
 		}

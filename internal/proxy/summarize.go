@@ -1,10 +1,7 @@
 package proxy
 
 import (
-	"bytes"
-	"math"
 	"net/http"
-	"slices"
 	"strings"
 
 	"github.com/compactproxy/compactproxy/internal/anchor"
@@ -36,20 +33,6 @@ func (s *Server) compactionConfig() compaction.Config {
 	}
 }
 
-// textTokens is the calibrated estimate of n bytes of text sent as one
-// message: the local estimator's count of such a message, scaled by the
-// model's ratio (the request's fixed overhead is the summarizer's own
-// allowance).
-func textTokens(fit anchor.Fit, n int) int {
-	local := anchor.MessageOverheadTokens + (n+3)/4
-	r := fit.Ratio
-	if !(r > 0) {
-		r = 1
-	}
-	r = min(max(r, anchor.MinRatio), anchor.MaxRatio)
-	return int(math.Ceil(float64(local) * r))
-}
-
 // summaryInUpstreamTokens tells whether summaries for model are made by
 // the upstream's own model (the summarizer is the chat upstream, with no
 // other model configured): a summarize call's limit then bounds the
@@ -57,30 +40,6 @@ func textTokens(fit anchor.Fit, n int) int {
 func (s *Server) summaryInUpstreamTokens(model string) bool {
 	sumModel := s.cfg.Compaction.Summarizer.Model
 	return s.summarizerIsUpstream && (sumModel == "" || sumModel == model)
-}
-
-// detachMessages deep-copies the bytes of msgs (Raw and Content alias the
-// request body, whose buffer is pooled), except those of the leading
-// messages that req (nil: none) shares with a parse cache snapshot: their
-// bytes are the snapshot's, never reused, so an agent's step in the
-// presummarize band copies its new messages only, not its whole history.
-func detachMessages(msgs []chat.Message, req *chat.Request) []chat.Message {
-	out := make([]chat.Message, len(msgs))
-	shared := 0
-	if req != nil {
-		shared = min(req.Shared(), len(req.Messages), len(msgs))
-	}
-	for i, m := range msgs {
-		if i < shared && identity.SameView(msgs[i:i+1], req.Messages[i:i+1]) {
-			out[i] = m
-			continue
-		}
-		m.Raw = bytes.Clone(m.Raw)
-		m.Content = bytes.Clone(m.Content)
-		m.ToolCalls = slices.Clone(m.ToolCalls)
-		out[i] = m
-	}
-	return out
 }
 
 // newSummarizer builds the HTTP summarizer with the same retry policy as
@@ -149,7 +108,7 @@ func (s *Server) summaryCall(h http.Header, req *chat.Request) summarizer.Call {
 		// learned window included).
 		call.Window = s.windows.GetFor(upstream.Scope{Tenant: identity.Tenant(s.tenantSecret, h), Model: sumModel, Shape: upstream.WindowShape(h)})
 		fit := s.calibration.Fit(s.ids.ModelIdentity(sumModel))
-		call.Count = func(text string) int { return textTokens(fit, len(text)) }
+		call.Count = func(text string) int { return anchor.TextTokens(fit, len(text)) }
 	} else {
 		call.Window = s.windows.Listed(sumModel)
 	}
@@ -175,36 +134,7 @@ func (s *Server) summaryCall(h http.Header, req *chat.Request) summarizer.Call {
 		}
 	}
 	if s.summaryInUpstreamTokens(req.Model) {
-		call.Build = s.requestBuilder(req)
+		call.Build = wire.SummaryBuilder(req, s.cfg.Upstream.Dialect)
 	}
 	return call
-}
-
-// requestBuilder writes the summarize request as a continuation of the
-// client's very request when the summarizer is the chat upstream and
-// model: same model, tools and other top-level fields as the client sent
-// them, so the forwarded prefix and the upstream's prompt cache are shared,
-// with the fields the request's API sets or removes for a summary
-// (*wire.API.SummaryFields: no tool call, no streaming, no option that
-// would shape or cut it, the summary's own token limit). A chat request's
-// top-level fields are copied (the messages array is replaced anyway; the
-// body is pooled); a Responses or Messages request's items are its own, so
-// the builder may run after the request is over.
-func (s *Server) requestBuilder(req *chat.Request) summarizer.Builder {
-	api := wire.For(req.Dialect())
-	own := req
-	if req.Dialect() == chat.DialectChat { // only a chat body is pooled (read)
-		own = &chat.Request{Fields: make([]chat.Field, 0, len(req.Fields))}
-		for _, f := range req.Fields {
-			c := chat.Field{Key: strings.Clone(f.Key)}
-			if f.Key != "messages" {
-				c.Value = bytes.Clone(f.Value)
-			}
-			own.Fields = append(own.Fields, c)
-		}
-	}
-	dialect := s.cfg.Upstream.Dialect
-	return func(msgs []chat.Message, maxTokens int) []byte {
-		return own.Build(msgs, api.SummaryFields(own, maxTokens, dialect))
-	}
 }
