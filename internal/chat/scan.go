@@ -172,13 +172,9 @@ func (s *scanner) str(i int) int {
 			if j+6 > n {
 				return s.fail(n, "unexpected end of input in \\u escape")
 			}
-			r := 0
-			for k := j + 2; k < j+6; k++ {
-				h := hexVal(data[k])
-				if h < 0 {
-					return s.fail(k, "invalid hex digit "+quoteByte(data[k])+" in \\u escape")
-				}
-				r = r<<4 | h
+			r, bad := parseHex4(data, j+2)
+			if bad >= 0 {
+				return s.fail(bad, "invalid hex digit "+quoteByte(data[bad])+" in \\u escape")
 			}
 			j += 6
 			// Decoded size: 1-3 bytes; a surrogate pair decodes to 4.
@@ -193,13 +189,9 @@ func (s *scanner) str(i int) int {
 				if j+6 > n || data[j] != '\\' || data[j+1] != 'u' {
 					return s.badUTF8(j-6, "lone surrogate escape "+string(data[j-6:j]))
 				}
-				lo := 0
-				for k := j + 2; k < j+6; k++ {
-					h := hexVal(data[k])
-					if h < 0 {
-						return s.fail(k, "invalid hex digit "+quoteByte(data[k])+" in \\u escape")
-					}
-					lo = lo<<4 | h
+				lo, bad := parseHex4(data, j+2)
+				if bad >= 0 {
+					return s.fail(bad, "invalid hex digit "+quoteByte(data[bad])+" in \\u escape")
 				}
 				if lo < 0xdc00 || lo >= 0xe000 {
 					return s.badUTF8(j-6, "lone surrogate escape "+string(data[j-6:j]))
@@ -215,6 +207,20 @@ func (s *scanner) str(i int) int {
 			return s.fail(j+1, "invalid escape "+quoteByte(data[j+1])+" in string")
 		}
 	}
+}
+
+// parseHex4 decodes the four hex digits at data[at:at+4] (the scanner's
+// checked form of hex4); bad is the index of the first that is not one,
+// else -1.
+func parseHex4(data []byte, at int) (r, bad int) {
+	for k := at; k < at+4; k++ {
+		h := hexVal(data[k])
+		if h < 0 {
+			return 0, k
+		}
+		r = r<<4 | h
+	}
+	return r, -1
 }
 
 func hexVal(c byte) int {

@@ -30,19 +30,23 @@ func IsBlank(line []byte) bool {
 	return len(bytes.TrimRight(line, "\r\n")) == 0
 }
 
+// nextLine splits the first line off ev, its newline included; rest is
+// what follows it (nil after the last line).
+func nextLine(ev []byte) (line, rest []byte) {
+	if i := bytes.IndexByte(ev, '\n'); i >= 0 {
+		return ev[:i+1], ev[i+1:]
+	}
+	return ev, nil
+}
+
 // EventData returns the concatenated data fields of one SSE event.
 func EventData(ev []byte) []byte {
 	var data []byte
 	n := 0
 	for len(ev) > 0 {
-		i := bytes.IndexByte(ev, '\n')
 		var line []byte
-		if i < 0 {
-			line, ev = ev, nil
-		} else {
-			line, ev = ev[:i], ev[i+1:]
-		}
-		line = bytes.TrimRight(line, "\r")
+		line, ev = nextLine(ev)
+		line = bytes.TrimRight(line, "\r\n")
 		if !bytes.HasPrefix(line, []byte("data:")) {
 			continue
 		}
@@ -66,13 +70,8 @@ func rebuildEvent(ev, data []byte) []byte {
 	var out []byte
 	wrote := false
 	for len(ev) > 0 {
-		i := bytes.IndexByte(ev, '\n')
 		var line []byte
-		if i < 0 {
-			line, ev = ev, nil
-		} else {
-			line, ev = ev[:i+1], ev[i+1:]
-		}
+		line, ev = nextLine(ev)
 		if bytes.HasPrefix(line, []byte("data:")) {
 			if !wrote {
 				wrote = true
