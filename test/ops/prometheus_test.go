@@ -335,7 +335,7 @@ var designMetrics = strings.Fields(`http_requests_total upstream_retries_total c
 	overhead_seconds upstream_duration_seconds compaction_invariant_failures_total
 	unknown_window_total compaction_impossible_total store_errors_total
 	summarize_input_tokens_total presummarize_total stream_aborts_total compaction_errors_total
-	forwarded_tokens summarize_duration_seconds`)
+	forwarded_tokens summarize_duration_seconds reduced_tokens_total cache_resets_total`)
 
 func knownMetric(name string) bool {
 	for _, m := range designMetrics {
