@@ -603,7 +603,8 @@ func (f *figures) render() string {
 	for k, v := range f.metrics {
 		if strings.Contains(k, "compactions_total") || strings.Contains(k, "summarize") || strings.Contains(k, "latch") ||
 			strings.Contains(k, "retries") || strings.Contains(k, "invariant") || strings.Contains(k, "unknown_window") ||
-			strings.Contains(k, "impossible") || strings.Contains(k, "errors_total") || strings.Contains(k, `route="`) {
+			strings.Contains(k, "impossible") || strings.Contains(k, "errors_total") || strings.Contains(k, `route="`) ||
+			strings.Contains(k, "reduced_tokens") || strings.Contains(k, "cache_resets") {
 			if v != 0 {
 				ms = append(ms, fmt.Sprintf("%s %g", strings.TrimPrefix(k, "compactproxy_"), v))
 			}
